@@ -1,0 +1,5 @@
+import sys
+
+from flashpage.cli import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""Turn a model spec (a directory, a .gguf file, a known name or a dummy preset) into a ready model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flashpage.config import ModelConfig
+from flashpage.loader.default_model import KNOWN_MODELS, resolve_known_model
+from flashpage.loader.gguf_file import GGUFModel
+from flashpage.loader.hf_dir import HFModelDir
+from flashpage.loader.presets import PRESETS, preset_config
+from flashpage.model.llama import LlamaForCausalLM
+from flashpage.tokenizer import Tokenizer
+
+LOAD_FORMATS = ("auto", "dummy")
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def open_source(model: str, load_format: str = "auto"):
+    """The checkpoint behind a model spec: an HFModelDir, a GGUFModel, or None for a bare dummy preset."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return HFModelDir(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is not a .gguf file or a model directory")
+        return GGUFModel(path)
+    if load_format == "dummy" and model in PRESETS:
+        return None
+    if model in KNOWN_MODELS:
+        return GGUFModel(resolve_known_model(model))
+    if "/" in model or model.endswith(".gguf"):
+        raise ValueError(f"model path {model!r} does not exist")
+    raise ValueError(
+        f"unknown model {model!r}: give a model directory, a .gguf file, or one of {', '.join(sorted(KNOWN_MODELS))}; "
+        f"random weights of a preset shape ({', '.join(sorted(PRESETS))}) need load_format='dummy'"
+    )
+
+
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Allocate the model directly in its final dtype on its device, without initialising it."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights scaled as the model's own init (normal(0, initializer_range), norms 1, biases 0)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    std = model.config.initializer_range
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="cpu", seed: int = 0) -> LoadedModel:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device='cpu'")
+    torch_dtype = resolve_dtype(dtype, device)
+    source = open_source(model, load_format)
+    config = preset_config(model) if source is None else source.config
+    net = build_empty(config, torch_dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(net, seed)
+    else:
+        net.load_weights(source.weights())
+    tokenizer = None if source is None else source.tokenizer()
+    if tokenizer is not None and not config.eos_token_ids:
+        config.eos_token_ids = list(tokenizer.eos_token_ids)
+    return LoadedModel(config, net, tokenizer)

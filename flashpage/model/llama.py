@@ -1,0 +1,161 @@
+"""One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2.
+
+Tokens come flattened (all sequences of a step back to back) with their positions; attention goes
+through a backend so kernels and a paged cache plug in without touching this file. Q/K/V and
+gate/up are each one matmul; `load_weights` takes transformers' tensor names and fills the slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from flashpage.config import ModelConfig
+from flashpage.model.attention import AttentionMetadata, TorchAttentionBackend
+from flashpage.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype: transformers' exact order of roundings.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window
+        self.backend = backend
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, meta, kv_cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# transformers name fragment -> (our parameter fragment, shard index) for the fused projections.
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend=None):
+        super().__init__()
+        self.config = cfg
+        backend = backend or TorchAttentionBackend()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Tied models read the embedding matrix at the head (a shared Parameter would not survive to_empty()).
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._inv_freq = rope_inv_freq(cfg)  # CPU float32; not a buffer, so meta/dtype moves leave it exact
+
+    def set_attention_backend(self, backend) -> None:
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        if self._inv_freq.device != h.device:
+            self._inv_freq = self._inv_freq.to(h.device)
+        cos, sin = rope_cos_sin(self._inv_freq, positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors named as in transformers into this model (any dtype/device; one at a time).
+
+        Raises ValueError naming any tensor that has no home here or has the wrong shape, and any
+        parameter no tensor filled.
+        """
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store a copy of the embedding
+            target, shard = name, None
+            for frag, (fused, idx) in _STACKED.items():
+                if frag in name:
+                    target, shard = name.replace(frag, fused), idx
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+            dest = params[target].data
+            if shard is not None:
+                dest = dest.narrow(0, *self._shard_range(target, shard))
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + 1
+        expected = {n: (3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1) for n in params}
+        missing = sorted(n for n, count in expected.items() if filled.get(n, 0) != count)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s): {shown}")
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        attn = self.layers[0].self_attn
+        if ".qkv_proj." in fused_name:
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
