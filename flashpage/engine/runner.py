@@ -50,7 +50,7 @@ class ModelRunner:
             token = int(sample(logits, [params], [generator])[0])
             yield token
             generated += 1
-            start += n
-            if start + 1 > capacity:
+            start += n  # tokens in the cache; the sequence is one longer (the token just sampled)
+            if start + 1 >= capacity:
                 return
             tokens = torch.tensor([token], dtype=torch.long, device=dev)

@@ -1,0 +1,112 @@
+"""The LLM API and the CLI on the default model: outputs, chat, streaming, seeds, and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flashpage import LLM, RequestOutput, SamplingParams, cli
+from flashpage.tokenizer import IncrementalDetokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def test_chat_answers_paris(smollm_llm):
+    out = smollm_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY, use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason in smollm_llm.config.eos_token_ids
+
+
+def test_generate_outputs_in_input_order_with_vllm_fields(smollm_llm):
+    prompts = ["The capital of Italy is", {"prompt": "1, 2, 3, 4,"}, {"prompt_token_ids": [504, 3575, 282]}]
+    outs = smollm_llm.generate(prompts, [GREEDY, SamplingParams(temperature=0, max_tokens=5), GREEDY], use_tqdm=False)
+    assert [type(o) for o in outs] == [RequestOutput] * 3
+    assert outs[0].prompt == "The capital of Italy is" and outs[2].prompt is None
+    assert outs[2].prompt_token_ids == [504, 3575, 282]
+    assert len(outs[1].outputs[0].token_ids) == 5 and outs[1].outputs[0].finish_reason == "length"
+    for prompt, out in zip(prompts, outs):  # each equals the same request run alone
+        alone = smollm_llm.generate([prompt], out_params(out), use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert out.outputs[0].text == smollm_llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def out_params(out):
+    return SamplingParams(temperature=0, max_tokens=max(len(out.outputs[0].token_ids), 1))
+
+
+def test_seeded_sampling_is_reproducible(smollm_llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    a = smollm_llm.generate("Tell me a story", sp, use_tqdm=False)[0].outputs[0].token_ids
+    smollm_llm.generate("Unrelated request", SamplingParams(temperature=1.0, max_tokens=5), use_tqdm=False)
+    b = smollm_llm.generate("Tell me a story", sp, use_tqdm=False)[0].outputs[0].token_ids
+    c = smollm_llm.generate("Tell me a story", SamplingParams(**{**sp.__dict__, "seed": 99}), use_tqdm=False)[0]
+    assert a == b and a != c.outputs[0].token_ids
+
+
+def test_min_tokens_and_stop_token_ids(smollm_llm):
+    ids = smollm_llm.chat_prompt_ids([{"role": "user", "content": "Say yes."}])
+    out = smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=30, min_tokens=12),
+                              use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 12
+    first = smollm_llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stopped = smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
+                                  stop_token_ids=[first[1]]), use_tqdm=False)[0].outputs[0]
+    assert stopped.token_ids == first[:2] and stopped.finish_reason == "stop" and stopped.stop_reason == first[1]
+
+
+def test_context_limit_and_bad_prompts(smollm_gguf):
+    llm = LLM(str(smollm_gguf), dtype="float32", device="cpu", max_model_len=32)
+    with pytest.raises(ValueError, match="prompt has 40 tokens.*max_model_len=32"):
+        llm.generate({"prompt_token_ids": [1] * 40})
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 49152\)"):
+        llm.generate({"prompt_token_ids": [1, 49152]})
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
+        llm.generate(["a"], [GREEDY, GREEDY])
+    # generation stops at the context: 30 prompt tokens leave room for 2
+    out = llm.generate({"prompt_token_ids": [504] * 30}, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2 and out[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_model_len must be in"):
+        LLM(str(smollm_gguf), device="cpu", max_model_len=10**6)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+                                         ("min_p", 2.0), ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5),
+                                         ("stop_token_ids", [-1])])
+def test_sampling_params_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_incremental_detokenizer_multibyte(smollm_llm):
+    tok = smollm_llm.tokenizer
+    for text in ["héllo wörld, 世界! 🙂🙂 naïve café", " leading space and\nnewline", "数字 12345"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, [])
+        pieces = [detok.step(t) for t in ids]
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_equals_generate(smollm_llm):
+    prompt = "Write one sentence about the sea:"
+    text = "".join(smollm_llm.stream(prompt, GREEDY))
+    assert text == smollm_llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def test_cli_chat_streams_answer(smollm_llm, monkeypatch, capsys):
+    monkeypatch.setattr("flashpage.LLM", lambda *a, **k: smollm_llm)  # reuse the session's model
+    assert cli.main(["chat", "What is the capital of France?", "--max-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line_not_tracebacks():
+    r = subprocess.run([sys.executable, "-m", "flashpage", "generate", "hi", "--model", "no-such-model"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("flashpage: error: unknown model") and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "flashpage", "generate", "hi", "--temperature", "-1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "SamplingParams.temperature" in r.stderr and "Traceback" not in r.stderr
