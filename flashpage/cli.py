@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA, torch (PyTorch reference) on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default); try 0.7 to sample")
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
-                  max_model_len=args.max_model_len)
+                  max_model_len=args.max_model_len, attention_backend=args.attention_backend)
         if args.command == "chat":
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": args.message}]

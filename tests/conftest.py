@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be chosen before triton is imported.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 

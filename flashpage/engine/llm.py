@@ -20,9 +20,11 @@ PromptType = str | dict | list[int]
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype="auto", device: str = "auto", seed: int = 0,
-                 load_format: str = "auto", max_model_len: int | None = None):
+                 load_format: str = "auto", max_model_len: int | None = None, attention_backend: str = "auto"):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if attention_backend == "auto":  # Triton kernels on the GPU; on CPU the interpreter would be far too slow
+            attention_backend = "triton" if str(device).startswith("cuda") else "torch"
         loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, seed=seed)
         self.model_name = model
         self.config = loaded.config
@@ -31,7 +33,7 @@ class LLM:
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
         self.max_model_len = max_model_len or limit
-        self.runner = ModelRunner(loaded, self.max_model_len)
+        self.runner = ModelRunner(loaded, self.max_model_len, attention_backend)
         self._generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self._request_ids = itertools.count()
 

@@ -1,4 +1,4 @@
-"""ModelRunner: one request at a time on a contiguous KV cache (the paged engine replaces this loop)."""
+"""ModelRunner: one request at a time, its KV cache in blocks of its own (the paged engine replaces this loop)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ import torch
 
 from flashpage.engine.sampler import sample
 from flashpage.loader import LoadedModel
-from flashpage.model import AttentionMetadata
+from flashpage.model import AttentionBackend, AttentionMetadata
 from flashpage.sampling_params import SamplingParams
 
 
+BLOCK_SIZE = 16
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_model_len: int):
+    def __init__(self, loaded: LoadedModel, max_model_len: int, attention_backend: str):
         self.model = loaded.model
+        self.model.set_attention_backend(AttentionBackend(attention_backend))
         self.config = loaded.config
         self.max_model_len = max_model_len
         param = next(self.model.parameters())
@@ -25,10 +29,11 @@ class ModelRunner:
         """Yield generated token ids until the caller stops iterating or the context is full."""
         cfg, dev = self.config, self.device
         capacity = self.max_model_len if params.max_tokens is None else min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        shape = (1, capacity, cfg.num_key_value_heads, cfg.head_dim)  # one block holds the whole sequence
+        num_blocks = -(-capacity // BLOCK_SIZE)
+        shape = (num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
         kv_caches = [(torch.empty(shape, dtype=self.dtype, device=dev), torch.empty(shape, dtype=self.dtype, device=dev))
                      for _ in range(cfg.num_hidden_layers)]
-        block_table = torch.zeros((1, 1), dtype=torch.int32, device=dev)
+        block_table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :]
         stop_ids = torch.tensor(sorted(set(cfg.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=dev)
 
         tokens = torch.tensor(prompt_ids, dtype=torch.long, device=dev)

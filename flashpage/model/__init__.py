@@ -1,4 +1,4 @@
-from flashpage.model.attention import AttentionMetadata, TorchAttentionBackend
+from flashpage.model.attention import AttentionBackend, AttentionMetadata
 from flashpage.model.llama import LlamaForCausalLM
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "TorchAttentionBackend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "LlamaForCausalLM"]

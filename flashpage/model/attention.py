@@ -1,18 +1,20 @@
-"""The attention-backend interface the model calls, and its plain-PyTorch implementation.
+"""The attention-backend interface the model calls.
 
-The model hands every attention layer flattened tokens of several sequences (varlen, no padding)
-plus one `AttentionMetadata` describing the batch. A backend writes the new keys/values into the
-layer's KV cache (if there is one) and attends each sequence's queries to all its keys. The KV cache
-of a layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; a contiguous
-per-request cache is the special case of one block per sequence.
+The model hands every attention layer flattened tokens of several sequences (varlen, no padding) plus one
+`AttentionMetadata` describing the batch. The backend writes the new keys/values into the layer's paged KV
+cache (if there is one), then attends each sequence's queries to all its keys. A layer's cache is a pair of
+tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+`AttentionBackend` takes its operations from a module with `flash_attn_varlen`, `paged_attention` and
+`reshape_and_cache`: `flashpage.kernels.reference` (PyTorch) or `flashpage.kernels.triton_ops` (Triton).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -31,46 +33,24 @@ class AttentionMetadata:
         return cls(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), max(seq_lens, default=0))
 
 
-class TorchAttentionBackend:
-    """Reference backend: gather each sequence's keys through its block table, then SDPA."""
+BACKENDS = {"torch": "flashpage.kernels.reference", "triton": "flashpage.kernels.triton_ops"}
+
+
+class AttentionBackend:
+    def __init__(self, name: str = "torch"):
+        if name not in BACKENDS:
+            raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
+        self.name = name
+        self.ops = importlib.import_module(BACKENDS[name])
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
         """q [T, Hq, D], k/v [T, Hkv, D] (new tokens); returns [T, Hq, D]."""
-        if kv_cache is not None:
-            k_cache, v_cache = kv_cache
-            k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping] = k
-            v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping] = v
-        out = torch.empty_like(q)
-        cu_q = meta.cu_seqlens_q.tolist()
-        lens_k = meta.seq_lens_k.tolist()
-        for i, len_k in enumerate(lens_k):
-            q0, q1 = cu_q[i], cu_q[i + 1]
-            if q1 == q0:
-                continue
-            if kv_cache is None:
-                ks, vs = k[q0:q1], v[q0:q1]
-            else:
-                block_size = k_cache.shape[1]
-                blocks = meta.block_table[i, : -(-len_k // block_size)].long()
-                ks = k_cache[blocks].flatten(0, 1)[:len_k]
-                vs = v_cache[blocks].flatten(0, 1)[:len_k]
-            mask = causal_mask(q1 - q0, len_k, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(
-                q[q0:q1].transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                attn_mask=mask, scale=scale, enable_gqa=True,
-            )
-            out[q0:q1] = o.transpose(0, 1)
-        return out
-
-
-def causal_mask(len_q: int, len_k: int, sliding_window: int | None, device) -> torch.Tensor:
-    """Boolean [len_q, len_k] mask; queries are the last len_q of len_k positions (bottom-right aligned).
-
-    With a sliding window W a query sees the W most recent keys, itself included (transformers' rule).
-    """
-    q_pos = torch.arange(len_k - len_q, len_k, device=device)[:, None]
-    k_pos = torch.arange(len_k, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
+        # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
+        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        if kv_cache is None:
+            return self.ops.flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
+                                              meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
+        k_cache, v_cache = kv_cache
+        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
+                                        meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from flashpage.config import ModelConfig
-from flashpage.model.attention import AttentionMetadata, TorchAttentionBackend
+from flashpage.model.attention import AttentionBackend, AttentionMetadata
 from flashpage.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -88,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend=None):
         super().__init__()
         self.config = cfg
-        backend = backend or TorchAttentionBackend()
+        backend = backend or AttentionBackend("torch")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

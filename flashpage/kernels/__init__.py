@@ -1,0 +1,1 @@
+"""Triton kernels (flashpage.kernels.triton_ops) and their PyTorch references (flashpage.kernels.reference)."""

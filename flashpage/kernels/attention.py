@@ -1,0 +1,245 @@
+"""FlashAttention in Triton: varlen prefill, paged prefill/decode, and Flash-Decoding's split-KV.
+
+One kernel serves every case. A program owns BLOCK_M *rows* of one sequence and one KV head, where a row is a
+(query token, query head of that KV head's group) pair, so each K/V tile is loaded once for the whole GQA group.
+It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED) with the
+online softmax (running max m, running sum l, rescaled accumulator), in base 2. With NUM_SPLITS > 1 the key
+range is cut into that many pieces handled by separate programs (Flash-Decoding); each writes its unnormalised
+partial output and its log-sum-exp, and `_merge_splits` combines them.
+
+Masks are bottom-right aligned: the queries of a sequence are its last q_len tokens, so query i sits at key
+position k_len - q_len + i. window_size = (left, right) keeps keys in [pos - left, pos + right]; -1 is unbounded.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr):
+    # Triton 3.6's CPU interpreter multiplies bf16 operands wrongly; it gets them in fp32 (GPU code never does).
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _attention_kernel(
+    Q, K, V, Out, PartOut, PartLse,
+    CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
+    sm_scale_log2, window_left, window_right,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_ot, stride_oh,
+    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(CuSeqlensQ + seq)
+    q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
+    if pid_m * BLOCK_M >= q_len * GROUP:
+        return
+    if PAGED:
+        k_len = tl.load(SeqLensK + seq)
+        k_start = 0
+    else:
+        k_start = tl.load(CuSeqlensK + seq)
+        k_len = tl.load(CuSeqlensK + seq + 1) - k_start
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # The keys any row of this tile can see: [lo, hi).
+    q_pos = k_len - q_len + tok
+    first_pos = k_len - q_len + (pid_m * BLOCK_M) // GROUP
+    last_pos = tl.minimum(k_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, k_len - 1)
+    lo = k_len * 0
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(hi, last_pos + 1)
+    if window_right >= 0:
+        hi = tl.minimum(hi, last_pos + window_right + 1)
+    if window_left >= 0:
+        lo = tl.maximum(0, first_pos - window_left)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:  # this program's share of the tiles
+        tiles = tl.cdiv(hi - lo, BLOCK_N)
+        per_split = tl.cdiv(tiles, NUM_SPLITS)
+        split_lo = lo + split * per_split * BLOCK_N
+        hi = tl.minimum(hi, split_lo + per_split * BLOCK_N)
+        lo = split_lo
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        if PAGED:
+            block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
+            kv_row = block.to(tl.int64) * stride_kb + (kpos % PAGE_SIZE) * stride_kt
+        else:
+            kv_row = (k_start + kpos).to(tl.int64) * stride_kt
+        kv_off = kv_row[None, :] + kv_head * stride_kh + d[:, None]
+        k = tl.load(K + kv_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        s = _dot(q, k, UPCAST) * sm_scale_log2
+
+        visible = k_ok[None, :]
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= q_pos[:, None])
+        if window_right >= 0:
+            visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
+        if window_left >= 0:
+            visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_row[:, None] + kv_head * stride_kh + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        t = q_start + tok
+        tl.store(PartOut + split * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
+                 out, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(PartLse + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(PartOut, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out = sum_s exp2(lse_s - max) * part_s / sum_s exp2(lse_s - max), one program per (token, head)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(PartLse + s * stride_ls + t * stride_lt + h)
+    m = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    part = tl.load(PartOut + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                   mask=d[None, :] < HEAD_DIM, other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+_LOG2E = 1.4426950408889634
+
+
+def _check(q, k_or_cache, v_or_cache, window_size):
+    if q.dim() != 3 or k_or_cache.shape != v_or_cache.shape:
+        raise ValueError("q must be [tokens, heads, head_dim] and k/v must have equal shapes")
+    if q.shape[1] % k_or_cache.shape[-2]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_or_cache.shape[-2]})")
+    if q.shape[-1] != k_or_cache.shape[-1] or q.stride(-1) != 1 or k_or_cache.stride(-1) != 1:
+        raise ValueError("head_dim must match and be the innermost, contiguous dimension")
+    if len(window_size) != 2:
+        raise ValueError("window_size must be (left, right)")
+
+
+def _tiles(head_dim: int, max_seqlen_q: int, group: int, device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape."""
+    if max_seqlen_q * group <= 16:  # decode: few rows, stream keys
+        return 16, 64 if head_dim <= 128 else 32, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, causal, softmax_scale, window_size,
+            num_splits, paged: bool, page_size: int):
+    total_q, hq, dim = q.shape
+    hkv = k.shape[-2]
+    group = hq // hkv
+    batch = cu_q.numel() - 1
+    if total_q == 0 or batch == 0:
+        return out
+    scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
+    block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group, q.device)
+    block_d = triton.next_power_of_2(dim)
+    grid_m = triton.cdiv(max_seqlen_q * group, block_m)
+    common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
+                  PAGE_SIZE=page_size, CAUSAL=causal, NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
+                  UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    if num_splits == 1:  # the kernel normalises and writes `out` itself
+        part, lse, part_strides = out, out, (0, 0, 0, 0, 0)
+    else:
+        part = torch.empty((num_splits, total_q, hq, dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_splits, total_q, hq), dtype=torch.float32, device=q.device)
+        part_strides = (part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1))
+    unused = cu_q  # stands in for the pointers the variant does not read
+    _attention_kernel[(grid_m, batch, hkv * num_splits)](
+        q, k, v, out, part, lse, cu_q, unused if paged else cu_k, seq_lens_k if paged else unused,
+        block_table if paged else unused, scale, window_size[0], window_size[1],
+        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), k.stride(0) if paged else 0, out.stride(0), out.stride(1),
+        block_table.stride(0) if paged else 0, *part_strides, **common)
+    if num_splits > 1:
+        _merge_splits[(total_q, hq)](part, lse, out, *part_strides, out.stride(0), out.stride(1),
+                                     NUM_SPLITS=num_splits, HEAD_DIM=dim, BLOCK_D=block_d)
+    return out
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
+                      softmax_scale=None, window_size=(-1, -1), out=None):
+    """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D]."""
+    _check(q, k, v, window_size)
+    out = torch.empty_like(q) if out is None else out
+    return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, causal, softmax_scale,
+                   window_size, 1, paged=False, page_size=1)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None):
+    """Queries are the last q_len tokens of sequences whose keys sit in a paged cache [blocks, block_size, Hkv, D].
+
+    Decode (max_seqlen_q == 1) splits long key ranges over several programs when the batch alone cannot fill
+    the GPU (Flash-Decoding); `num_splits` overrides that choice.
+    """
+    _check(q, k_cache, v_cache, window_size)
+    page = k_cache.shape[1]
+    if page < 8 or page & (page - 1):
+        raise ValueError(f"block size must be a power of two >= 8, got {page}")
+    if num_splits is None:
+        num_splits = choose_num_splits(cu_seqlens_q.numel() - 1, k_cache.shape[2], max_seqlen_q,
+                                       block_table.shape[1] * page, q.device)
+    elif num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    out = torch.empty_like(q) if out is None else out
+    return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
+                   softmax_scale, window_size, num_splits, paged=True, page_size=page)
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:
+    """Enough programs for about two waves of SMs, each keeping at least 512 keys; a power of two up to 32."""
+    if max_seqlen_q > 1 or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 512, 32)
+    return 1 if want <= 1 else triton.next_power_of_2(want)

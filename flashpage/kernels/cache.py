@@ -1,0 +1,35 @@
+"""reshape_and_cache: write the new tokens' K and V into their slots of the paged cache."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(K, V, KCache, VCache, SlotMapping, stride_kt, stride_kh, stride_vt, stride_vh,
+                              stride_cb, stride_ct, stride_ch, PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr,
+                              HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SlotMapping + t).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < HEADS) & (d < HEAD_DIM)
+    dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct + h * stride_ch + d
+    tl.store(KCache + dst, tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok), mask=ok)
+    tl.store(VCache + dst, tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """k/v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (slot -1 skipped)."""
+    if k.shape[0] == 0:
+        return
+    if k.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape or k.stride(-1) != 1:
+        raise ValueError(f"k/v {tuple(k.shape)} do not fit caches {tuple(k_cache.shape)}")
+    heads, dim = k.shape[1], k.shape[2]
+    _reshape_and_cache_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), PAGE_SIZE=k_cache.shape[1], HEADS=heads,
+        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim))

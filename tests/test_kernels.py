@@ -1,0 +1,160 @@
+"""Triton kernels against a float64 PyTorch reference, through the interpreter on CPU (or natively on a GPU).
+
+Every case draws fresh random inputs, poisons the output with NaN first, and uses awkward sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, rel_err
+from flashpage.kernels import reference as ref
+from flashpage.kernels import triton_ops as tri
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 2e-3}
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out.to(DEVICE)
+
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, dtype=torch.float32, device=DEVICE).to(dtype)
+
+
+def nan_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+VARLEN_CASES = [
+    # (q lengths, k lengths, Hq, Hkv, D, causal, window)
+    ([1], [1], 4, 4, 64, True, (-1, -1)),  # one token
+    ([17, 1, 33], [17, 1, 33], 8, 2, 64, True, (-1, -1)),  # not multiples of any tile
+    ([40, 9], [40, 9], 9, 3, 64, True, (-1, -1)),  # SmolLM2's 9/3 heads
+    ([130], [130], 8, 1, 128, True, (-1, -1)),  # MQA, > one row tile
+    ([20, 31], [20, 31], 8, 8, 80, True, (-1, -1)),  # head dim 80 (padded to 128)
+    ([26], [26], 4, 1, 96, True, (5, 0)),  # sliding window
+    ([5, 12], [37, 70], 8, 2, 64, True, (-1, -1)),  # queries are the last tokens of longer keys
+    ([23], [29], 6, 2, 64, False, (-1, -1)),  # non-causal
+    ([19], [19], 4, 2, 64, False, (3, 4)),  # two-sided window
+    ([8], [8], 4, 2, 256, True, (-1, -1)),  # head dim 256
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens_q,lens_k,hq,hkv,dim,causal,window", VARLEN_CASES)
+def test_flash_attn_varlen(lens_q, lens_k, hq, hkv, dim, causal, window, dtype):
+    q = rand(sum(lens_q), hq, dim, dtype=dtype)
+    k, v = rand(sum(lens_k), hkv, dim, dtype=dtype), rand(sum(lens_k), hkv, dim, dtype=dtype)
+    args = (cu(lens_q), cu(lens_k), max(lens_q), max(lens_k))
+    out = tri.flash_attn_varlen(q, k, v, *args, causal=causal, window_size=window, out=nan_like(q))
+    expected = ref.flash_attn_varlen(q.double(), k.double(), v.double(), *args, causal=causal, window_size=window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_flash_attn_varlen_empty_batch_and_scale():
+    q = rand(0, 4, 64, dtype=torch.float16)
+    out = tri.flash_attn_varlen(q, q[:, :2], q[:, :2], cu([]), cu([]), 0, 0)
+    assert out.shape == (0, 4, 64)
+    q, k, v = (rand(10, 4, 64, dtype=torch.float16) for _ in range(3))
+    args = (cu([10]), cu([10]), 10, 10)
+    out = tri.flash_attn_varlen(q, k, v, *args, softmax_scale=0.3)
+    assert rel_err(out, ref.flash_attn_varlen(q.double(), k.double(), v.double(), *args, softmax_scale=0.3)) < 2e-3
+
+
+def paged_case(lens_k: list[int], lens_q: list[int], page: int, hkv: int, dim: int, dtype, shared_prefix_blocks: int = 0):
+    """A cache with shuffled blocks; sequences may share their first blocks (as prefix caching does)."""
+    blocks_per_seq = [-(-n // page) for n in lens_k]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.zeros(len(lens_k), max(blocks_per_seq, default=1), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq):
+        for j in range(nb):
+            if i > 0 and j < shared_prefix_blocks:
+                table[i, j] = table[0, j]
+            else:
+                table[i, j] = order[used]
+                used += 1
+    k_cache = rand(num_blocks, page, hkv, dim, dtype=dtype)
+    v_cache = rand(num_blocks, page, hkv, dim, dtype=dtype)
+    return k_cache, v_cache, table.to(DEVICE), torch.tensor(lens_k, dtype=torch.int32, device=DEVICE), cu(lens_q)
+
+
+PAGED_CASES = [
+    # (k lengths, q lengths, page, Hq, Hkv, D, window, num_splits)
+    ([1], [1], 8, 4, 4, 64, (-1, -1), 1),  # decode of a one-token sequence
+    ([37, 5, 300], [1, 1, 1], 16, 8, 2, 64, (-1, -1), 1),  # decode
+    ([300, 129, 77], [1, 1, 1], 16, 9, 3, 64, (-1, -1), 4),  # split-KV decode; short ones leave splits empty
+    ([520], [1], 32, 8, 1, 128, (-1, -1), 8),  # MQA, many splits
+    ([260, 40], [1, 1], 8, 8, 2, 64, (63, 0), 2),  # window with splits
+    ([50, 90], [13, 90], 16, 8, 2, 64, (-1, -1), 1),  # chunked prefill over a cached prefix, and a full prefill
+    ([70], [33], 64, 4, 4, 128, (9, 0), 1),  # prefill with window, large block
+    ([45, 61], [3, 2], 8, 12, 3, 80, (-1, -1), 1),  # a few queries each, head dim 80
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens_k,lens_q,page,hq,hkv,dim,window,splits", PAGED_CASES)
+def test_paged_attention(lens_k, lens_q, page, hq, hkv, dim, window, splits, dtype):
+    k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens_k, lens_q, page, hkv, dim, dtype,
+                                                         shared_prefix_blocks=1 if len(lens_k) > 1 else 0)
+    q = rand(sum(lens_q), hq, dim, dtype=dtype)
+    out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, max(lens_q), window_size=window,
+                              num_splits=splits, out=nan_like(q))
+    expected = ref.paged_attention(q.double(), k_cache.double(), v_cache.double(), table, cu_q, seq_lens, max(lens_q),
+                                   window_size=window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_paged_attention_splits_agree():
+    """Split-KV merging gives the unsplit answer to rounding, for every split count."""
+    k_cache, v_cache, table, seq_lens, cu_q = paged_case([700, 333], [1, 1], 16, 2, 64, torch.float16)
+    q = rand(2, 8, 64, dtype=torch.float16)
+    base = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=1)
+    for splits in (2, 4, 16):
+        out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits)
+        assert rel_err(out, base) < 1e-3, splits
+
+
+def test_paged_attention_rejects_bad_block_size_and_heads():
+    q = rand(1, 6, 64, dtype=torch.float16)
+    cache = rand(4, 12, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="power of two"):
+        tri.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
+    cache = rand(4, 16, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        tri.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_reshape_and_cache(dtype):
+    page, hkv, dim = 16, 3, 80
+    k_cache = torch.full((6, page, hkv, dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    slots = torch.tensor([0, 17, -1, 95, 40, 41], device=DEVICE)  # -1 is padding
+    k, v = rand(6, hkv, dim, dtype=dtype), rand(6, hkv, dim, dtype=dtype)
+    tri.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], k[keep]) and torch.equal(flat_v[slots[keep]], v[keep])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[keep]] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+def test_engine_greedy_triton_backend_equals_torch_backend(smollm_llm, smollm_gguf):
+    """End to end on SmolLM2 (GQA 9/3, head dim 64): the Triton kernels give the PyTorch backend's tokens."""
+    from flashpage import LLM, SamplingParams
+
+    triton_llm = LLM(str(smollm_gguf), dtype="float32", device=DEVICE, attention_backend="triton")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["The capital of France is", "1 2 3"]
+    got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
