@@ -33,7 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("message")
     chat.add_argument("--system", default=None, help="an optional system message")
     _add_model_args(chat)
+    bench = sub.add_parser("bench", help="benchmarks (need a CUDA GPU)")
+    bench.add_argument("suite", choices=["kernels"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from flashpage.bench.kernels import main as bench_kernels
+
+        return bench_kernels(args.rest)
 
     try:
         from flashpage import LLM, SamplingParams

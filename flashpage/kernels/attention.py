@@ -4,7 +4,7 @@ One kernel serves every case. A program owns BLOCK_M *rows* of one sequence and 
 (query token, query head of that KV head's group) pair, so each K/V tile is loaded once for the whole GQA group.
 It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED) with the
 online softmax (running max m, running sum l, rescaled accumulator), in base 2. With NUM_SPLITS > 1 the key
-range is cut into that many pieces handled by separate programs (Flash-Decoding); each writes its unnormalised
+range is cut into that many pieces handled by separate programs (Flash-Decoding); each writes its normalised
 partial output and its log-sum-exp, and `_merge_splits` combines them.
 
 Masks are bottom-right aligned: the queries of a sequence are its last q_len tokens, so query i sits at key
@@ -13,6 +13,7 @@ position k_len - q_len + i. window_size = (left, right) keeps keys in [pos - lef
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,6 +30,48 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, hi, k_start, sm_scale_log2,
+                  window_left, window_right, stride_kt, stride_kh, stride_kb, stride_bt, d, d_ok,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking."""
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        if PAGED:
+            block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
+            kv_row = block.to(tl.int64) * stride_kb + (kpos % PAGE_SIZE) * stride_kt
+        else:
+            kv_row = (k_start + kpos).to(tl.int64) * stride_kt
+        k = tl.load(K + kv_row[None, :] + kv_head * stride_kh + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
+                    other=0.0)
+        s = _dot(q, k, UPCAST) * sm_scale_log2
+        if MASKED:
+            # full [M, N] from the start: the runtime ifs below must yield one type on both sides
+            visible = tl.broadcast_to(k_ok[None, :], (BLOCK_M, BLOCK_N))
+            if CAUSAL:
+                visible = visible & (kpos[None, :] <= q_pos[:, None])
+            if window_right >= 0:
+                visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
+            if window_left >= 0:
+                visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_row[:, None] + kv_head * stride_kh + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attention_kernel(
     Q, K, V, Out, PartOut, PartLse,
     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
@@ -38,9 +81,10 @@ def _attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Causal row tiles further down see more keys: launch those first so the short ones fill the tail.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
@@ -81,49 +125,32 @@ def _attention_kernel(
     if NUM_SPLITS > 1:  # this program's share of the tiles
         tiles = tl.cdiv(hi - lo, BLOCK_N)
         per_split = tl.cdiv(tiles, NUM_SPLITS)
-        split_lo = lo + split * per_split * BLOCK_N
-        hi = tl.minimum(hi, split_lo + per_split * BLOCK_N)
-        lo = split_lo
+        lo = lo + split * per_split * BLOCK_N
+        hi = tl.minimum(hi, lo + per_split * BLOCK_N)
+    # Whole tiles below every row's diagonal need no mask (it pays where compute-bound, i.e. not for decode);
+    # with a window, every tile is masked.
+    unmasked_hi = lo
+    if not MASK_EVERY_TILE and window_left < 0 and window_right < 0:
+        bound = tl.minimum(hi, first_pos + 1) if CAUSAL else hi
+        unmasked_hi = lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < hi
-        if PAGED:
-            block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
-            kv_row = block.to(tl.int64) * stride_kb + (kpos % PAGE_SIZE) * stride_kt
-        else:
-            kv_row = (k_start + kpos).to(tl.int64) * stride_kt
-        kv_off = kv_row[None, :] + kv_head * stride_kh + d[:, None]
-        k = tl.load(K + kv_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)
-        s = _dot(q, k, UPCAST) * sm_scale_log2
+    if not MASK_EVERY_TILE:
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
+                                      k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh,
+                                      stride_kb, stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL,
+                                      False, UPCAST)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi, k_start,
+                                  sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb,
+                                  stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, UPCAST)
 
-        visible = k_ok[None, :]
-        if CAUSAL:
-            visible = visible & (kpos[None, :] <= q_pos[:, None])
-        if window_right >= 0:
-            visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
-        if window_left >= 0:
-            visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_row[:, None] + kv_head * stride_kh + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
-
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    else:  # this split's normalised result and its log-sum-exp, merged by _merge_splits
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         t = q_start + tok
         tl.store(PartOut + split * stride_ps + t[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
@@ -162,12 +189,10 @@ def _check(q, k_or_cache, v_or_cache, window_size):
         raise ValueError("window_size must be (left, right)")
 
 
-def _tiles(head_dim: int, max_seqlen_q: int, group: int, device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape."""
+def _tiles(head_dim: int, max_seqlen_q: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape; chosen by sweeps on an H200 (bench --sweep)."""
     if max_seqlen_q * group <= 16:  # decode: few rows, stream keys
         return 16, 64 if head_dim <= 128 else 32, 4, 2
-    if head_dim <= 64:
-        return 128, 64, 4, 3
     if head_dim <= 128:
         return 128, 64, 8, 3
     return 64, 32, 8, 2
@@ -182,10 +207,11 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     if total_q == 0 or batch == 0:
         return out
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
-    block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group, q.device)
+    block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group)
     block_d = triton.next_power_of_2(dim)
     grid_m = triton.cdiv(max_seqlen_q * group, block_m)
-    common = dict(GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
+    decode = block_m == 16
+    common = dict(MASK_EVERY_TILE=decode, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
                   PAGE_SIZE=page_size, CAUSAL=causal, NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     if num_splits == 1:  # the kernel normalises and writes `out` itself
@@ -240,6 +266,11 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k
     """Enough programs for about two waves of SMs, each keeping at least 512 keys; a power of two up to 32."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 512, 32)
     return 1 if want <= 1 else triton.next_power_of_2(want)
+
+
+@functools.lru_cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

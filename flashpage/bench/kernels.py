@@ -1,0 +1,174 @@
+"""Benchmark the attention kernels against torch's SDPA backends and the device's measured ceilings.
+
+    python -m flashpage.bench.kernels [--out DIR] [--sweep]
+
+Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens.
+Decode: paged cache (block size 16, shuffled blocks) for B x context; SDPA reads a contiguous cache of the same
+size. Prints ms, TFLOP/s or TB/s, the ratio to the best SDPA backend and the fraction of the measured ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import warnings
+from datetime import date
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
+from flashpage.kernels import attention as attn
+from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
+
+HQ, HKV, D = 32, 8, 128
+PREFILL_TOKENS = 16384
+PREFILL_S = [1024, 2048, 4096, 8192, 16384]
+DECODE = [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]
+BLOCK = 16
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def sdpa_times(q, k, v, causal: bool) -> dict[str, float]:
+    """q [B, Hq, S, D], k/v [B, Hkv, Sk, D]. GQA through enable_gqa, else K/V expanded (noted in the name)."""
+    times = {}
+    for name, backend in SDPA_BACKENDS.items():
+        for gqa in (True, False):
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1))
+            fn = lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=causal, enable_gqa=gqa)  # noqa: E731
+            try:
+                with sdpa_kernel(backend), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # probing a backend that refuses a shape warns at length
+                    fn()
+                    torch.cuda.synchronize()
+                    times[name if gqa else f"{name}(expanded kv)"] = median_ms(fn)
+                break
+            except RuntimeError:
+                continue
+    return times
+
+
+def bench_prefill(seq_len: int) -> dict:
+    batch = PREFILL_TOKENS // seq_len
+    q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.arange(0, PREFILL_TOKENS + 1, seq_len, device="cuda", dtype=torch.int32)
+    ours = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True))
+    to_bhsd = lambda x: x.view(batch, seq_len, -1, D).transpose(1, 2)  # noqa: E731
+    peers = sdpa_times(to_bhsd(q), to_bhsd(k), to_bhsd(v), causal=True)
+    flops = 4 * batch * HQ * seq_len * seq_len * D / 2  # two matmuls, half the square (causal)
+    return {"kind": "prefill", "shape": f"S={seq_len} (B={batch})", "ms": ours, "rate": flops / ours / 1e9,
+            "unit": "TFLOP/s", "peers_ms": peers}
+
+
+def bench_decode(batch: int, context: int) -> dict:
+    blocks_per_seq = context // BLOCK
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, blocks_per_seq)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    ours = median_ms(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 1))
+    kc = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.bfloat16)
+    peers = sdpa_times(q[:, :, None, :], kc, torch.randn_like(kc), causal=False)
+    nbytes = 2 * batch * context * HKV * D * 2  # K and V, bf16
+    splits = attn.choose_num_splits(batch, HKV, 1, context, q.device)
+    return {"kind": "decode", "shape": f"{batch}x{context}", "ms": ours, "rate": nbytes / ours / 1e9, "unit": "TB/s",
+            "peers_ms": peers, "num_splits": splits}
+
+
+def sweep() -> None:
+    """Time a few tile shapes for each regime; prints the best (to be written into attention._tiles)."""
+    configs = [(128, 64, 8, 3), (128, 32, 4, 3)]
+    decode_cfgs = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 8, 3), (16, 128, 4, 2)]
+    original = attn._tiles
+    for label, run, cfgs in [("prefill S=4096", lambda: bench_prefill(4096), configs),
+                             ("decode 64x4096", lambda: bench_decode(64, 4096), decode_cfgs),
+                             ("decode 8x8192", lambda: bench_decode(8, 8192), decode_cfgs),
+                             ("decode 1x32768", lambda: bench_decode(1, 32768), decode_cfgs)]:
+        for cfg in cfgs:
+            attn._tiles = lambda *a, cfg=cfg: cfg
+            try:
+                r = run()
+                print(f"sweep {label:16s} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} {r['unit']}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
+                print(f"sweep {label:16s} tiles={cfg}: failed ({type(e).__name__})", flush=True)
+        attn._tiles = original
+    original_splits = attn.choose_num_splits
+    for splits in (16, 32, 64):
+        for cfg in [(16, 128, 8, 3), (16, 64, 8, 4), (16, 256, 8, 3), (16, 128, 4, 4)]:
+            attn.choose_num_splits = lambda *a, n=splits: n
+            attn._tiles = lambda *a, cfg=cfg: cfg
+            r = bench_decode(1, 32768)
+            print(f"sweep decode 1x32768   splits={splits} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} TB/s", flush=True)
+    attn.choose_num_splits, attn._tiles = original_splits, original
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashpage bench kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench-results", help="directory for kernels.json and kernels.png")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("flashpage bench kernels needs a CUDA GPU")
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    bw, mm = copy_bandwidth_tbs(), matmul_tflops()
+    print(f"{gpu}: copy {bw:.2f} TB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
+    if args.sweep:
+        sweep()
+    rows = [bench_prefill(s) for s in PREFILL_S] + [bench_decode(b, c) for b, c in DECODE]
+    print(f"\n{'kernel':8s} {'shape':18s} {'ms':>8s} {'rate':>14s} {'of ceiling':>10s} {'best SDPA':>22s} {'speedup':>8s}")
+    for r in rows:
+        ceiling = mm if r["kind"] == "prefill" else bw
+        best_name, best_ms = min(r["peers_ms"].items(), key=lambda kv: kv[1]) if r["peers_ms"] else ("none", float("nan"))
+        r["fraction_of_ceiling"] = r["rate"] / ceiling
+        r["best_sdpa"] = best_name
+        r["speedup_vs_best_sdpa"] = best_ms / r["ms"]
+        print(f"{r['kind']:8s} {r['shape']:18s} {r['ms']:8.3f} {r['rate']:8.2f} {r['unit']:7s} {r['fraction_of_ceiling']:9.0%}"
+              f" {best_name:>13s} {best_ms:7.3f} {r['speedup_vs_best_sdpa']:7.2f}x")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "host": platform.node(),
+              "copy_tbs": bw, "matmul_tflops": mm, "rows": rows}
+    (out / "kernels.json").write_text(json.dumps(result, indent=2))
+    plot(rows, gpu, out / "kernels.png")
+    print(f"\nwrote {out / 'kernels.json'} and {out / 'kernels.png'}")
+    return 0
+
+
+def plot(rows: list[dict], gpu: str, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, kind in zip(axes, ("prefill", "decode")):
+        sel = [r for r in rows if r["kind"] == kind]
+        names = ["flashpage"] + sorted({n for r in sel for n in r["peers_ms"]})
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            ms = [r["ms"] if name == "flashpage" else r["peers_ms"].get(name, float("nan")) for r in sel]
+            ax.bar([x + i * width for x in range(len(sel))], ms, width, label=name)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(sel))], [r["shape"] for r in sel], rotation=20)
+        ax.set_ylabel("ms (lower is better)")
+        ax.set_title(f"{kind} attention, bf16, {HQ}/{HKV} heads, d={D}")
+        ax.legend(fontsize=8)
+    fig.suptitle(gpu)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
