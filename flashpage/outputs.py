@@ -10,8 +10,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length" (max_tokens or the context), None while running
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    finish_reason: str | None  # "stop" (EOS, stop token or string), "length" (max_tokens or context), "abort", None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token id: logprob}, when asked for
 
 
 @dataclass
@@ -21,3 +23,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None, as in vLLM

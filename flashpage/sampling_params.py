@@ -1,4 +1,4 @@
-"""SamplingParams: how to pick each next token and when to stop (vLLM's names and defaults)."""
+"""SamplingParams and BeamSearchParams: how to pick tokens and when to stop (vLLM's names and defaults)."""
 
 from __future__ import annotations
 
@@ -7,39 +7,85 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # samples per prompt; they share the prompt's KV blocks
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or output
+    presence_penalty: float = 0.0  # subtracted once from tokens present in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     seed: int | None = None  # per request: the same seed gives the same tokens, whatever else runs
     max_tokens: int | None = 16  # None: up to the model's context
     min_tokens: int = 0
+    stop: str | list[str] | None = None  # strings that end generation; never part of the output text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log-probabilities per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # likewise for each prompt token after the first
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not self.temperature >= 0:
+        def is_int(x):
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
-        if not 0 <= self.min_p <= 1:
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not isinstance(getattr(self, name), (int, float)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= 20):
+                bad(name, "must be an integer in [0, 20] or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0  # score = cumulative logprob / length ** length_penalty
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"BeamSearchParams.beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"BeamSearchParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")

@@ -27,7 +27,7 @@ def our_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_smollm_gguf_logits_match_transformers(smollm_llm, smollm_hf):
-    model, tok = smollm_llm.runner.model, smollm_llm.tokenizer
+    model, tok = smollm_llm.engine.runner.model, smollm_llm.tokenizer
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         with torch.no_grad():
@@ -37,7 +37,7 @@ def test_smollm_gguf_logits_match_transformers(smollm_llm, smollm_hf):
 
 def test_smollm_varlen_batch_equals_single_sequences(smollm_llm):
     """Packing several sequences into one forward gives each the logits it gets alone."""
-    model, tok = smollm_llm.runner.model, smollm_llm.tokenizer
+    model, tok = smollm_llm.engine.runner.model, smollm_llm.tokenizer
     seqs = [tok.encode(p) for p in PROMPTS]
     flat = torch.tensor([t for s in seqs for t in s])
     positions = torch.cat([torch.arange(len(s)) for s in seqs])

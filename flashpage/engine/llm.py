@@ -1,4 +1,4 @@
-"""LLM: the offline Python API (vLLM's names): generate() and chat() over a loaded model."""
+"""LLM: the offline Python API (vLLM's names): generate(), chat(), beam_search(), stream(), stats()."""
 
 from __future__ import annotations
 
@@ -8,53 +8,64 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from flashpage.engine.runner import ModelRunner
+from flashpage.engine.llm_engine import EngineConfig, LLMEngine
 from flashpage.loader import load_model
 from flashpage.loader.default_model import DEFAULT_MODEL
-from flashpage.outputs import CompletionOutput, RequestOutput
+from flashpage.outputs import RequestOutput
 from flashpage.sampling_params import SamplingParams
-from flashpage.tokenizer import IncrementalDetokenizer
 
 PromptType = str | dict | list[int]
 
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype="auto", device: str = "auto", seed: int = 0,
-                 load_format: str = "auto", max_model_len: int | None = None, attention_backend: str = "auto"):
+                 load_format: str = "auto", max_model_len: int | None = None, attention_backend: str = "auto",
+                 block_size: int = 16, num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 cpu_kv_cache_gb: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if attention_backend == "auto":  # Triton kernels on the GPU; on CPU the interpreter would be far too slow
             attention_backend = "triton" if str(device).startswith("cuda") else "torch"
         loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, seed=seed)
-        self.model_name = model
-        self.config = loaded.config
-        self.tokenizer = loaded.tokenizer
         limit = loaded.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
+        self.model_name = model
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
         self.max_model_len = max_model_len or limit
-        self.runner = ModelRunner(loaded, self.max_model_len, attention_backend)
-        self._generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.engine = LLMEngine(loaded, EngineConfig(
+            max_model_len=self.max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend), seed=seed)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
 
+    def stats(self) -> dict:
+        """KV cache and scheduler counters (see README)."""
+        return self.engine.stats()
+
     # ----- public API ---------------------------------------------------------------------------
-    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}); outputs keep input order."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        requests = [self._tokenize(p) for p in prompts]  # validate every prompt before doing any work
+        requests = [self._tokenize(p) for p in prompts]
         params = self._params_list(sampling_params, len(requests))
-        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm or len(requests) < 2)
-        outputs = []
+        for (_, ids), sp in zip(requests, params):  # validate everything before anything runs
+            self.engine.validate(ids, sp)
+        ids_in_order = []
         for (text, ids), sp in zip(requests, params):
-            outputs.append(self._run(text, ids, sp))
-            bar.update(1)
-        bar.close()
-        return outputs
+            request_id = str(next(self._request_ids))
+            self.engine.add_request(request_id, ids, sp, prompt=text)
+            ids_in_order.append(request_id)
+        return self._run(ids_in_order, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
@@ -69,31 +80,41 @@ class LLM:
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text pieces as they are generated, for one prompt."""
-        _, ids = self._tokenize(prompt)
-        detok = IncrementalDetokenizer(self._require_tokenizer(), ids)
-        for token, _ in self._tokens(ids, sampling_params or SamplingParams()):
-            yield detok.step(token)
+        """Yield text pieces of one completion as they are generated (stop strings never shown)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() takes one sample (n=1)")
+        text, ids = self._tokenize(prompt)
+        self._require_tokenizer()
+        request_id = str(next(self._request_ids))
+        self.engine.add_request(request_id, ids, params, prompt=text)
+        seq = self.engine.requests[request_id].seqs[0]
+        try:
+            while not seq.finished:
+                self.engine.step()
+                if delta := self.engine.stream_delta(seq):
+                    yield delta
+            if delta := self.engine.stream_delta(seq):
+                yield delta
+        finally:
+            self.engine.abort_request(request_id)  # no-op once finished; frees blocks if the caller stopped early
 
     # ----- internals ----------------------------------------------------------------------------
-    def _run(self, text, ids, sp: SamplingParams) -> RequestOutput:
-        tokens, finish, stop_reason = [], "length", None
-        for token, reason in self._tokens(ids, sp):
-            tokens.append(token)
-            finish, stop_reason = reason or finish, token if reason else None
-        out_text = self.tokenizer.decode(tokens) if self.tokenizer else ""
-        completion = CompletionOutput(0, out_text, tokens, finish, stop_reason if finish == "stop" else None)
-        return RequestOutput(str(next(self._request_ids)), text, ids, [completion])
-
-    def _tokens(self, ids: list[int], sp: SamplingParams) -> Iterator[tuple[int, str | None]]:
-        """(token, finish reason or None) until a stop condition; the last pair carries "stop" when one hit."""
-        gen = self._generator if sp.seed is None else torch.Generator(device=self.runner.device).manual_seed(sp.seed)
-        stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.config.eos_token_ids))
-        for count, token in enumerate(self.runner.stream(ids, sp, gen), start=1):
-            hit = token in stops and count > sp.min_tokens
-            yield token, "stop" if hit else None
-            if hit or count == sp.max_tokens:
-                return
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm or len(request_ids) < 2)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in request_ids:  # an exception mid-run must not leave requests holding blocks
+                if request_id not in done:
+                    self.engine.abort_request(request_id)
+        return [done[r] for r in request_ids]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -113,16 +134,6 @@ class LLM:
             if not isinstance(text, str):
                 raise ValueError("prompt text must be a string")
             ids = self._require_tokenizer().encode(text)
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, which leaves no room to generate within the model's context "
-                f"(max_model_len={self.max_model_len})"
-            )
         return text, ids
 
     def _require_tokenizer(self):

@@ -1,61 +1,63 @@
-"""ModelRunner: one request at a time, its KV cache in blocks of its own (the paged engine replaces this loop)."""
+"""ModelRunner: owns the model and the paged KV cache; runs one SchedulerOutput as one forward pass."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from flashpage.engine.sampler import sample
+from flashpage.engine.scheduler import SchedulerOutput
 from flashpage.loader import LoadedModel
 from flashpage.model import AttentionBackend, AttentionMetadata
-from flashpage.sampling_params import SamplingParams
-
-
-BLOCK_SIZE = 16
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_model_len: int, attention_backend: str):
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, attention_backend: str):
         self.model = loaded.model
+        self.config = cfg = loaded.config
         self.model.set_attention_backend(AttentionBackend(attention_backend))
-        self.config = loaded.config
-        self.max_model_len = max_model_len
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+        cfg = loaded.config
+        itemsize = next(loaded.model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator) -> Iterator[int]:
-        """Yield generated token ids until the caller stops iterating or the context is full."""
-        cfg, dev = self.config, self.device
-        capacity = self.max_model_len if params.max_tokens is None else min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        num_blocks = -(-capacity // BLOCK_SIZE)
-        shape = (num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-        kv_caches = [(torch.empty(shape, dtype=self.dtype, device=dev), torch.empty(shape, dtype=self.dtype, device=dev))
-                     for _ in range(cfg.num_hidden_layers)]
-        block_table = torch.arange(num_blocks, dtype=torch.int32, device=dev)[None, :]
-        stop_ids = torch.tensor(sorted(set(cfg.eos_token_ids) | set(params.stop_token_ids)), dtype=torch.long, device=dev)
-
-        tokens = torch.tensor(prompt_ids, dtype=torch.long, device=dev)
-        start, generated = 0, 0
-        while True:
-            n = tokens.numel()
-            meta = AttentionMetadata(
-                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
-                seq_lens_k=torch.tensor([start + n], dtype=torch.int32, device=dev),
-                max_seqlen_q=n,
-                slot_mapping=torch.arange(start, start + n, device=dev),
-                block_table=block_table,
-            )
-            positions = torch.arange(start, start + n, device=dev)
-            hidden = self.model(tokens, positions, meta, kv_caches)
-            logits = self.model.compute_logits(hidden[-1:])
-            if generated < params.min_tokens and not params.ignore_eos:
-                logits[:, stop_ids] = float("-inf")
-            token = int(sample(logits, [params], [generator])[0])
-            yield token
-            generated += 1
-            start += n  # tokens in the cache; the sequence is one longer (the token just sampled)
-            if start + 1 >= capacity:
-                return
-            tokens = torch.tensor([token], dtype=torch.long, device=dev)
+    def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns logits [sampled seqs, vocab] (in batch order) and {seq_id: prompt logits} where asked."""
+        dev, bs = self.device, self.block_size
+        if batch.copies:
+            src = torch.tensor([c.src for c in batch.copies], device=dev)
+            dst = torch.tensor([c.dst for c in batch.copies], device=dev)
+            for k_cache, v_cache in self.kv_caches:
+                k_cache[dst] = k_cache[src]
+                v_cache[dst] = v_cache[src]
+        tokens, positions, slots, cu, seq_lens = [], [], [], [0], []
+        for s in batch.seqs:
+            pos = range(s.start, s.start + len(s.token_ids))
+            tokens += s.token_ids
+            positions += pos
+            slots += [s.block_table[p // bs] * bs + p % bs for p in pos]
+            cu.append(cu[-1] + len(s.token_ids))
+            seq_lens.append(s.start + len(s.token_ids))
+        width = max(len(s.block_table) for s in batch.seqs)
+        table = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens_k=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(len(s.token_ids) for s in batch.seqs),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+        )
+        hidden = self.model(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev), meta, self.kv_caches)
+        last = [cu[i + 1] - 1 for i, s in enumerate(batch.seqs) if s.sample]
+        logits = self.model.compute_logits(hidden[last])
+        prompt_logits = {s.seq_id: self.model.compute_logits(hidden[cu[i]:cu[i + 1]])
+                         for i, s in enumerate(batch.seqs) if s.prompt_logits}
+        return logits, prompt_logits

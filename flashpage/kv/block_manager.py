@@ -58,6 +58,15 @@ class BlockManager:
     def table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
 
+    def usage(self) -> tuple[int, int]:
+        """(blocks in use, tokens stored in them): a shared block counts once, filled to its fullest owner."""
+        fill: dict[int, int] = {}
+        for seq_id, table in self.tables.items():
+            n = self.num_tokens[seq_id]
+            for i, b in enumerate(table):
+                fill[b] = max(fill.get(b, 0), min(self.block_size, n - i * self.block_size))
+        return len(fill), sum(fill.values())
+
     # ----- lifecycle ----------------------------------------------------------------------------
     def allocate_prefix(self, seq_id: int, prompt: list[int]) -> int:
         """Start a sequence, reusing cached blocks of its prompt. Returns how many tokens need no compute.

@@ -1,0 +1,256 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from flashpage.engine.runner import ModelRunner
+from flashpage.engine.sampler import apply_penalties, logprobs_of, sample
+from flashpage.engine.scheduler import Scheduler
+from flashpage.engine.sequence import Sequence
+from flashpage.kv import BlockManager
+from flashpage.loader import LoadedModel
+from flashpage.outputs import CompletionOutput, RequestOutput
+from flashpage.sampling_params import SamplingParams
+from flashpage.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # KV cache size in blocks; by default from the memory settings below
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory flashpage may fill
+    cpu_kv_cache_gb: float = 1.0  # CPU: KV cache size
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, seed: int = 0):
+        if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {cfg.block_size}")
+        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.cfg, self.config, self.tokenizer = cfg, loaded.config, loaded.tokenizer
+        num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit(loaded, cfg)
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
+        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, cfg.attention_backend)
+        self.bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.eos_ids = set(loaded.config.eos_token_ids)
+
+    @staticmethod
+    def _blocks_that_fit(loaded: LoadedModel, cfg: EngineConfig) -> int:
+        per_block = ModelRunner.kv_bytes_per_block(loaded, cfg.block_size)
+        device = next(loaded.model.parameters()).device
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - (1 - cfg.gpu_memory_utilization) * total
+        else:
+            budget = cfg.cpu_kv_cache_gb * 2**30
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)  # more could never be used
+        return int(min(budget // per_block, useful))
+
+    # ----- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run; changes nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        n, limit = len(prompt_token_ids), self.cfg.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens, which leaves no room to generate within the model's context "
+                             f"(max_model_len={limit})")
+        longest = limit if params.max_tokens is None else min(n + params.max_tokens, limit)
+        need = -(-longest // self.cfg.block_size)
+        if need > self.bm.num_blocks:
+            raise ValueError(f"request needs up to {need} KV blocks ({longest} tokens) but the cache has "
+                             f"{self.bm.num_blocks}; lower max_tokens or enlarge the cache")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, prompt, list(prompt_token_ids), params)
+        req.seqs.append(self._new_sequence(req, 0, next(self._arrivals)))
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def _new_sequence(self, req: Request, index: int, arrival: int) -> Sequence:
+        p = req.params
+        gen = None
+        if p.seed is not None:
+            gen = torch.Generator(device=self.runner.device).manual_seed((p.seed * 1_000_003 + index) % 2**63)
+        seq = Sequence(
+            seq_id=next(self._seq_ids), request_id=req.request_id, index=index, token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=arrival, generator=gen,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+            if self.tokenizer else None,
+            logprobs=[] if p.logprobs is not None else None,
+            prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
+        )
+        self.seqs[seq.seq_id] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its KV blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req else []:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+            self.seqs.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ----- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of the requests it advanced (finished ones flagged)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits, prompt_logits = self.runner.execute(batch)
+        for seq_id, pl in prompt_logits.items():
+            self._record_prompt_logprobs(self.seqs[seq_id], pl, next(s for s in batch.seqs if s.seq_id == seq_id).start)
+        rows, seqs = [], []
+        for row, s in enumerate(s for s in batch.seqs if s.sample):
+            seq = self.seqs[s.seq_id]
+            rows.append(row)
+            seqs.append(seq)
+            req = self.requests[seq.request_id]
+            if req.params.n > 1 and not req.forked:  # the prompt is done: fork the other samples off it
+                req.forked = True
+                for index in range(1, req.params.n):
+                    child = self._new_sequence(req, index, seq.arrival)
+                    req.seqs.append(child)
+                    self.scheduler.fork(seq, child)
+                    rows.append(row)
+                    seqs.append(child)
+        logits = logits[rows]
+        tokens = self._sample(logits, seqs)
+        chosen, tops = logprobs_of(logits, tokens, [s.params.logprobs for s in seqs])
+        advanced = {}
+        for seq, token, lp, top in zip(seqs, tokens.tolist(), chosen, tops):
+            self._append(seq, token, lp, top)
+            advanced[seq.request_id] = self.requests[seq.request_id]
+        return [self._output(req) for req in advanced.values()]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        logits = apply_penalties(logits, [s.token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                                 [s.params for s in seqs])
+        for i, seq in enumerate(seqs):  # no stop token before min_tokens
+            if len(seq.output_token_ids) < seq.params.min_tokens:
+                stops = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_ids))
+                logits[i, stops] = float("-inf")
+        return sample(logits, [s.params for s in seqs], [s.generator or self.generator for s in seqs])
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
+        p = seq.params
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(top)
+        if seq.detokenizer:
+            seq.text += seq.detokenizer.step(token)
+        n_out = len(seq.output_token_ids)
+        if not p.ignore_eos and token in self.eos_ids:  # (masked until min_tokens)
+            self._finish(seq, "stop", None)
+        elif token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif p.stop and (hit := _first_stop(seq.text, p.stop)) is not None:
+            seq.text = seq.text[:hit[0]]
+            self._finish(seq, "stop", hit[1])
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.token_ids) >= self.cfg.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """logits[i] predicts prompt token start + i + 1."""
+        end = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
+        if end <= start or len(seq.prompt_logprobs) != start + 1:
+            return
+        targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logits.device)
+        _, tops = logprobs_of(logits[:end - start], targets, [seq.params.prompt_logprobs] * (end - start))
+        seq.prompt_logprobs += tops
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = all(s.finished for s in req.seqs) and (req.forked or req.params.n == 1)
+        outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
+                                    s.cumulative_logprob, s.logprobs) for s in req.seqs]
+        if finished:
+            for s in req.seqs:
+                self.seqs.pop(s.seq_id, None)
+            del self.requests[req.request_id]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished,
+                             req.seqs[0].prompt_logprobs)
+
+    def stream_delta(self, seq: Sequence) -> str:
+        """Text not yet streamed that can no longer turn out to be the start of a stop string."""
+        end = len(seq.text)
+        if not seq.finished:
+            end -= _stop_prefix_len(seq.text, seq.params.stop)
+        delta, seq.emitted = seq.text[seq.emitted:end], max(seq.emitted, end)
+        return delta
+
+    # ----- statistics ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        blocks_in_use, tokens_stored = self.bm.usage()
+        return {
+            "kv_blocks_total": self.bm.num_blocks,
+            "kv_blocks_free": self.bm.num_free_blocks,
+            "kv_block_size": self.bm.block_size,
+            "kv_tokens_stored": tokens_stored,
+            "kv_slots_allocated": blocks_in_use * self.bm.block_size,
+            "prefix_cache_queries": self.scheduler.prefix_queries,
+            "prefix_cache_hits": self.scheduler.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string (held back while streaming)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
