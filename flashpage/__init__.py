@@ -1,8 +1,9 @@
 """flashpage: a small, fast LLM inference engine for Llama-family models."""
 
 from flashpage.engine.llm import LLM
-from flashpage.outputs import CompletionOutput, RequestOutput
-from flashpage.sampling_params import SamplingParams
+from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from flashpage.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "RequestOutput",
+           "SamplingParams"]
 __version__ = "0.1.0"

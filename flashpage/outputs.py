@@ -24,3 +24,18 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None, as in vLLM
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt and generated tokens
+    output_token_ids: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / len(tokens) ** length_penalty (EOS not counted), as vLLM ranks beams
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

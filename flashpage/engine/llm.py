@@ -11,8 +11,8 @@ from tqdm.auto import tqdm
 from flashpage.engine.llm_engine import EngineConfig, LLMEngine
 from flashpage.loader import load_model
 from flashpage.loader.default_model import DEFAULT_MODEL
-from flashpage.outputs import RequestOutput
-from flashpage.sampling_params import SamplingParams
+from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from flashpage.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict | list[int]
 
@@ -78,6 +78,55 @@ class LLM:
         tok = self._require_tokenizer()
         # The rendered template already holds any BOS it wants, so no special tokens are added (as transformers).
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search, as vLLM's LLM.beam_search: each step extends every live beam by one token.
+
+        All beams of all prompts run as one batch per step; their common prefix blocks are shared through the
+        prefix cache, so each step recomputes at most the last partial block of each beam.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        width = params.beam_width
+        step_params = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+        tokenized = [self._tokenize(p)[1] for p in prompts]
+        for ids in tokenized:
+            self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+        live = [[(ids, 0.0)] for ids in tokenized]  # per prompt: (tokens, cumulative logprob)
+        done: list[list[tuple[list[int], float, str]]] = [[] for _ in tokenized]
+        eos = set(self.config.eos_token_ids)
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
+            flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+            if not flat:
+                break
+            outs = self.generate([{"prompt_token_ids": tokens} for _, (tokens, _) in flat], step_params, use_tqdm=False)
+            candidates: list[list[tuple[list[int], float]]] = [[] for _ in tokenized]
+            for (i, (tokens, cum)), out in zip(flat, outs):
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    candidates[i].append((tokens + [token], cum + lp))
+            for i, cands in enumerate(candidates):
+                cands.sort(key=lambda c: c[1], reverse=True)
+                live[i] = []
+                for tokens, cum in cands[:2 * width]:
+                    if len(live[i]) == width:
+                        break
+                    if tokens[-1] in eos and not params.ignore_eos:
+                        done[i].append((tokens, cum, "stop"))
+                    else:
+                        live[i].append((tokens, cum))
+        results = []
+        for i, ids in enumerate(tokenized):
+            finals = done[i] + [(t, c, "length") for t, c in live[i]]
+            seqs = []
+            for tokens, cum, reason in finals:
+                length = len(tokens) - (reason == "stop")
+                out_ids = tokens[len(ids):]
+                text = self.tokenizer.decode(out_ids) if self.tokenizer else ""
+                seqs.append(BeamSearchSequence(tokens, out_ids, text, cum, cum / length**params.length_penalty, reason))
+            seqs.sort(key=lambda s: s.score, reverse=True)
+            results.append(BeamSearchOutput(seqs[:width]))
+        return results
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text pieces of one completion as they are generated (stop strings never shown)."""

@@ -1,0 +1,265 @@
+"""The paged engine: continuous batching, chunked prefill, preemption, prefix caching, sampling, beam search."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from flashpage import BeamSearchParams, SamplingParams
+from flashpage.config import ModelConfig
+from flashpage.engine.llm_engine import EngineConfig, LLMEngine
+from flashpage.engine.sampler import apply_penalties, filter_probs, sample
+from flashpage.loader import LoadedModel, build_empty, init_dummy_weights
+
+
+def engine_from(llm, **cfg) -> LLMEngine:
+    """A second engine over the session's already-loaded model (no reload)."""
+    loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
+    return LLMEngine(loaded, EngineConfig(max_model_len=llm.max_model_len, **cfg))
+
+
+def tiny_engine(max_model_len: int = 4096, seed: int = 0, **cfg) -> LLMEngine:
+    """A small random model with a long context and no EOS: fast, and lengths are exactly as asked."""
+    config = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=max_model_len)
+    model = build_empty(config, torch.float32, torch.device("cpu"))
+    init_dummy_weights(model, seed)
+    return LLMEngine(LoadedModel(config, model, None), EngineConfig(max_model_len=max_model_len, **cfg))
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params, on_step=None):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p, sp in zip(ids, prompts, params):
+        engine.add_request(rid, p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if on_step:
+            on_step(engine)
+    return [done[r] for r in ids]
+
+
+TEXTS = [
+    "Hi", "The capital of France is", "1 2 3 4 5 6", "Once upon a time, in a land far away, there lived a wise old owl who",
+    "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot =",
+    "The mitochondria is", "Translate to French: good morning ->", "A", "List three colours: red,",
+    "In 1969, the first humans landed on the Moon. The mission was called", "Q: What is 7 times 8?\nA:",
+    " ".join(["The quick brown fox jumps over the lazy dog."] * 12), "Water boils at",
+    "Dear hiring manager, I am writing to apply for the position of", "import numpy as np\nx = np.",
+    "Roses are red, violets are blue,",
+]
+
+
+def test_batched_chunked_preempted_greedy_equals_alone_and_transformers(smollm_llm, smollm_hf):
+    tok = smollm_llm.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    assert len(prompts) >= 16 and min(map(len, prompts)) == 1 and max(map(len, prompts)) > 100
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    engine = engine_from(smollm_llm, max_num_batched_tokens=32, num_gpu_blocks=12)  # the longest request needs 9
+    outs = run(engine, prompts, params)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["kv_slots_allocated"] == 0
+    alone = smollm_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, out, single in zip(prompts, outs, alone):
+        with torch.no_grad():
+            ref = smollm_hf.generate(torch.tensor([p]), max_new_tokens=16, min_new_tokens=16,
+                                     do_sample=False)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == ref, tok.decode(p)
+        assert single.outputs[0].token_ids == ref
+
+
+def test_prefix_caching_hits_and_identical_outputs(smollm_llm):
+    system = "You are a meticulous assistant. " * 12
+    prompts = [system + q for q in ["What is 2+2?", "Name a fruit.", "Say hello.", "Count to three."]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine = engine_from(smollm_llm, enable_prefix_caching=True)
+    first = run(engine, [smollm_llm.tokenizer.encode(p) for p in prompts], params)
+    before = engine.stats()
+    second = run(engine, [smollm_llm.tokenizer.encode(p) for p in prompts], params)
+    after = engine.stats()
+    prefix_tokens = len(smollm_llm.tokenizer.encode(system)) // 16 * 16
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] >= len(prompts) * (prefix_tokens - 16)
+    assert after["prefix_cache_hits"] <= after["prefix_cache_queries"]
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    uncached = run(engine_from(smollm_llm, enable_prefix_caching=False), [smollm_llm.tokenizer.encode(p) for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in uncached] == [o.outputs[0].token_ids for o in first]
+
+
+def test_parallel_sampling_shares_prompt_blocks():
+    engine = tiny_engine()
+    prompt = random.Random(0).choices(range(512), k=300)
+    ratios = []
+
+    def measure(eng):
+        seqs = eng.requests["r0"].seqs if "r0" in eng.requests else []
+        if len(seqs) == 8 and all(not s.finished for s in seqs):
+            unshared = sum(-(-len(s.token_ids) // 16) * 16 for s in seqs)
+            ratios.append(eng.stats()["kv_slots_allocated"] / unshared)
+
+    out = run(engine, [prompt], SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=24), on_step=measure)[0]
+    assert len(out.outputs) == 8 and [o.index for o in out.outputs] == list(range(8))
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # the samples differ
+    assert ratios and max(ratios) <= 0.45, max(ratios)
+    assert engine.stats()["kv_slots_allocated"] == 0
+
+
+def test_internal_waste_under_4_percent_on_mixed_workload():
+    rng = random.Random(1)
+    engine = tiny_engine(max_num_seqs=16)
+    prompts = [rng.choices(range(512), k=rng.randint(100, 1200)) for _ in range(20)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(10, 60)) for _ in prompts]
+    waste = []
+
+    def measure(eng):
+        s = eng.stats()
+        if s["num_running"] >= 4:
+            waste.append((s["kv_slots_allocated"] - s["kv_tokens_stored"]) / s["kv_slots_allocated"])
+
+    run(engine, prompts, params, on_step=measure)
+    assert waste and sum(waste) / len(waste) < 0.04 and max(waste) < 0.06, (sum(waste) / len(waste), max(waste))
+
+
+def test_seeded_requests_do_not_depend_on_the_batch():
+    target = [5, 17, 300, 42, 9]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20)
+    alone = run(tiny_engine(), [target], params)[0].outputs[0].token_ids
+    crowd = [[1, 2, 3], target, list(range(40)), [7] * 9]
+    crowd_params = [SamplingParams(temperature=1.0, max_tokens=30), params,
+                    SamplingParams(temperature=1.0, seed=5, max_tokens=12), SamplingParams(temperature=0, max_tokens=7)]
+    together = run(tiny_engine(max_num_batched_tokens=16), crowd, crowd_params)[1].outputs[0].token_ids
+    other_seed = run(tiny_engine(), [target], SamplingParams(**{**params.__dict__, "seed": 99}))[0].outputs[0].token_ids
+    assert alone == together and alone != other_seed
+
+
+def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float):
+    """The filtered softmax, written out the slow way (float64)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = sorted(range(len(p)), key=lambda i: -p[i].item())
+    keep, mass = [], 0.0
+    for rank, i in enumerate(order):
+        if (top_k > 0 and rank >= top_k) or (rank > 0 and mass >= top_p) or (rank > 0 and p[i] < min_p * p[order[0]]):
+            continue
+        keep.append(i)
+        mass += p[i].item()
+    q = torch.zeros_like(p)
+    q[keep] = p[keep]
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0),
+                                                           (1.0, 0, 1.0, 0.1), (0.8, 8, 0.9, 0.05)])
+def test_sampling_matches_filtered_softmax_chi_square(temperature, top_k, top_p, min_p):
+    torch.manual_seed(0)
+    logits = torch.randn(12) * 1.5
+    n = 20000
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    gen = torch.Generator().manual_seed(7)
+    tokens = sample(logits.expand(n, -1).contiguous(), [params] * n, [gen] * n)
+    counts = torch.bincount(tokens, minlength=12).double()
+    expected = expected_distribution(logits, temperature, top_k, top_p, min_p) * n
+    assert counts[expected == 0].sum() == 0  # never a filtered-out token
+    live = expected > 0
+    chi2 = (((counts - expected)[live]) ** 2 / expected[live]).sum().item()
+    dof = int(live.sum()) - 1
+    # 99.9% quantile of chi-square (Wilson-Hilferty); a correct sampler fails about once in a thousand runs
+    z = 3.09
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3 if dof > 0 else 0
+    assert chi2 <= limit, (chi2, limit)
+
+
+def test_filter_probs_keeps_top_token_and_penalties_follow_their_definitions():
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    assert filter_probs(probs, torch.tensor([1]), torch.tensor([0.1]), torch.tensor([0.0]))[0].tolist() == [0.5, 0, 0]
+    torch.manual_seed(1)
+    logits = torch.randn(2, 10)
+    tokens = [[1, 2, 3, 3], [4]]
+    outputs = [[3, 3], []]
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25), SamplingParams()]
+    got = apply_penalties(logits, tokens, outputs, params)
+    want = logits.clone()
+    for t in {1, 2, 3}:
+        want[0, t] = want[0, t] / 1.3 if want[0, t] > 0 else want[0, t] * 1.3
+    want[0, 3] -= 0.5 + 0.25 * 2
+    assert torch.allclose(got, want) and torch.equal(got[1], logits[1])
+
+
+def test_stop_strings_across_token_boundaries_and_streaming_holdback(smollm_llm):
+    prompt = "Once upon a time, in a land far away,"
+    base = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    ids, tok = base.token_ids, smollm_llm.tokenizer
+    # a stop string that starts inside one token and ends inside a later one
+    cut = len(tok.decode(ids[:4]))
+    stop = base.text[cut - 2:cut + 3]
+    assert len(stop) == 5
+    first = base.text.find(stop)
+    out = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop, "zzzz"]), use_tqdm=False)
+    assert out[0].outputs[0].text == base.text[:first]
+    assert (out[0].outputs[0].finish_reason, out[0].outputs[0].stop_reason) == ("stop", stop)
+    pieces = list(smollm_llm.stream(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop])))
+    assert "".join(pieces) == base.text[:first]
+    assert smollm_llm.stats()["num_running"] == 0
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(smollm_llm, smollm_hf):
+    ids = smollm_llm.tokenizer.encode("The largest planet in the solar system is")
+    out = smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                                        prompt_logprobs=2), use_tqdm=False)[0]
+    gen = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(smollm_hf(torch.tensor([ids + gen])).logits[0].double(), -1)
+    for i, (token, entry) in enumerate(zip(gen, out.outputs[0].logprobs)):
+        assert len(entry) == 3 and token in entry  # greedy: the token is its own top-1
+        assert abs(entry[token] - ref[len(ids) - 1 + i, token].item()) < 1e-4
+    assert abs(out.outputs[0].cumulative_logprob - sum(e[t] for e, t in zip(out.outputs[0].logprobs, gen))) < 1e-6
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) < 1e-4
+
+
+def reference_beam_search(model, prompt: list[int], width: int, steps: int) -> list[list[int]]:
+    beams = [(prompt, 0.0)]
+    with torch.no_grad():
+        for _ in range(steps):
+            cands = []
+            for tokens, cum in beams:
+                lp = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].double(), -1)
+                top = lp.topk(2 * width)
+                cands += [(tokens + [t], cum + v) for t, v in zip(top.indices.tolist(), top.values.tolist())]
+            beams = sorted(cands, key=lambda c: c[1], reverse=True)[:width]
+    return [b[0] for b in beams]
+
+
+def test_beam_search_matches_reference_and_shares_blocks(tiny_checkpoints):
+    from flashpage import LLM
+
+    path, ref_model = tiny_checkpoints["llama-tied"]
+    llm = LLM(str(path), dtype="float32", device="cpu")
+    prompt = list(range(10, 50))  # 40 tokens: two full blocks to share between beams
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    want = reference_beam_search(ref_model, prompt, 3, 6)
+    assert [s.tokens for s in out.sequences] == want
+    # steps 2..6 each run 3 beams, and every one reuses the prompt's two full blocks (step 1 has one beam, cold)
+    assert llm.stats()["prefix_cache_hits"] == 5 * 3 * 32
+
+
+def test_abort_frees_blocks_and_never_fitting_requests_are_rejected():
+    engine = tiny_engine(num_gpu_blocks=8)
+    with pytest.raises(ValueError, match="needs up to 9 KV blocks"):
+        engine.add_request("big", list(range(100)), SamplingParams(max_tokens=40))
+    engine.add_request("a", list(range(50)), SamplingParams(max_tokens=50, temperature=0))
+    engine.add_request("b", list(range(30)), SamplingParams(max_tokens=10, n=2, seed=1))
+    for _ in range(5):
+        engine.step()
+    engine.abort_request("a")
+    engine.abort_request("b")
+    stats = engine.stats()
+    assert stats["kv_slots_allocated"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert not engine.has_unfinished_requests()
