@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from flashpage.loader.default_model import DEFAULT_MODEL
@@ -17,6 +18,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch (PyTorch reference) on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def _llm(args):
+    from flashpage import LLM
+
+    return LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
+               max_model_len=args.max_model_len, attention_backend=args.attention_backend, block_size=args.block_size,
+               num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=args.enable_prefix_caching)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default); try 0.7 to sample")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -29,26 +49,38 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt")
     _add_model_args(gen)
+    _add_sampling_args(gen)
     chat = sub.add_parser("chat", help="answer one chat message with the model's chat template, streaming the reply")
     chat.add_argument("message")
     chat.add_argument("--system", default=None, help="an optional system message")
     _add_model_args(chat)
-    bench = sub.add_parser("bench", help="benchmarks (need a CUDA GPU)")
-    bench.add_argument("suite", choices=["kernels"])
+    _add_sampling_args(chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get 503")
+    bench = sub.add_parser("bench", help="benchmarks: kernels (CUDA GPU), serve (against a running server)")
+    bench.add_argument("suite", choices=["kernels", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from flashpage.bench.kernels import main as bench_kernels
-
-        return bench_kernels(args.rest)
+        if args.suite == "kernels":
+            from flashpage.bench.kernels import main as bench_main
+        else:
+            from flashpage.bench.serve import main as bench_main
+        return bench_main(args.rest)
+    if args.command == "serve":
+        return _serve(args)
 
     try:
-        from flashpage import LLM, SamplingParams
+        from flashpage import SamplingParams
 
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
-                  max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+        llm = _llm(args)
         if args.command == "chat":
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": args.message}]
@@ -64,6 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    return 0
+
+
+def _serve(args) -> int:
+    try:
+        import uvicorn
+
+        from flashpage.server.app import build_app
+        from flashpage.server.async_engine import AsyncEngine
+
+        llm = _llm(args)
+        engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
+        app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, api_key=args.api_key)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"flashpage: error: {e}", file=sys.stderr)
+        return 2
+    # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, the app's lifespan aborts what is left),
+    # then re-raises it under the handler it found: make that one exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 

@@ -84,3 +84,12 @@ def tiny_checkpoints(tmp_path_factory):
         model.save_pretrained(path, max_shard_size="100KB" if name == "llama-tied" else "1GB")
         out[name] = (path, model)
     return out
+
+
+def engine_from(llm, **cfg):
+    """A second engine over the session's already-loaded model (no reload)."""
+    from flashpage.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpage.loader import LoadedModel
+
+    loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
+    return LLMEngine(loaded, EngineConfig(**{"max_model_len": llm.max_model_len, **cfg}))

@@ -8,17 +8,12 @@ import random
 import pytest
 import torch
 
+from conftest import engine_from
 from flashpage import BeamSearchParams, SamplingParams
 from flashpage.config import ModelConfig
 from flashpage.engine.llm_engine import EngineConfig, LLMEngine
 from flashpage.engine.sampler import apply_penalties, filter_probs, sample
 from flashpage.loader import LoadedModel, build_empty, init_dummy_weights
-
-
-def engine_from(llm, **cfg) -> LLMEngine:
-    """A second engine over the session's already-loaded model (no reload)."""
-    loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
-    return LLMEngine(loaded, EngineConfig(max_model_len=llm.max_model_len, **cfg))
 
 
 def tiny_engine(max_model_len: int = 4096, seed: int = 0, **cfg) -> LLMEngine:

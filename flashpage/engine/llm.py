@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from flashpage.engine.llm_engine import EngineConfig, LLMEngine
+from flashpage.engine.llm_engine import EngineConfig, LLMEngine, streamable_end
 from flashpage.loader import load_model
 from flashpage.loader.default_model import DEFAULT_MODEL
 from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -137,14 +137,19 @@ class LLM:
         self._require_tokenizer()
         request_id = str(next(self._request_ids))
         self.engine.add_request(request_id, ids, params, prompt=text)
-        seq = self.engine.requests[request_id].seqs[0]
+        sent = 0
         try:
-            while not seq.finished:
-                self.engine.step()
-                if delta := self.engine.stream_delta(seq):
-                    yield delta
-            if delta := self.engine.stream_delta(seq):
-                yield delta
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    text_so_far = out.outputs[0].text
+                    end = streamable_end(text_so_far, params.stop, out.finished)
+                    if end > sent:
+                        yield text_so_far[sent:end]
+                        sent = end
+                    if out.finished:
+                        return
         finally:
             self.engine.abort_request(request_id)  # no-op once finished; frees blocks if the caller stopped early
 

@@ -60,6 +60,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.eos_ids = set(loaded.config.eos_token_ids)
+        self.num_aborted = 0  # requests stopped before they finished
 
     @staticmethod
     def _blocks_that_fit(loaded: LoadedModel, cfg: EngineConfig) -> int:
@@ -122,6 +123,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its KV blocks are freed at once."""
         req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.num_aborted += 1
         for seq in req.seqs if req else []:
             if not seq.finished:
                 self.scheduler.finish(seq)
@@ -215,14 +218,6 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished,
                              req.seqs[0].prompt_logprobs)
 
-    def stream_delta(self, seq: Sequence) -> str:
-        """Text not yet streamed that can no longer turn out to be the start of a stop string."""
-        end = len(seq.text)
-        if not seq.finished:
-            end -= _stop_prefix_len(seq.text, seq.params.stop)
-        delta, seq.emitted = seq.text[seq.emitted:end], max(seq.emitted, end)
-        return delta
-
     # ----- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:
         blocks_in_use, tokens_stored = self.bm.usage()
@@ -235,6 +230,7 @@ class LLMEngine:
             "prefix_cache_queries": self.scheduler.prefix_queries,
             "prefix_cache_hits": self.scheduler.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_aborted_requests": self.num_aborted,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
@@ -245,8 +241,13 @@ def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
     return min(hits) if hits else None
 
 
+def streamable_end(text: str, stops: list[str], finished: bool) -> int:
+    """How much of a sample's text may be shown while streaming: all of it once finished, else all but the
+    longest end of it that begins some stop string (that part is held back until it cannot be one)."""
+    return len(text) if finished else len(text) - _stop_prefix_len(text, stops)
+
+
 def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string (held back while streaming)."""
     best = 0
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), best, -1):

@@ -26,7 +26,6 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: str = WAITING
     text: str = ""  # generated text (stop strings cut off)
-    emitted: int = 0  # characters of `text` already streamed
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0

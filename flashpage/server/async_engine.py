@@ -1,0 +1,140 @@
+"""AsyncEngine: one background thread steps the LLMEngine; each request gets its own asyncio queue of updates.
+
+Only that thread touches the engine. Requests and aborts reach it through a thread-safe inbox, and each
+step's results go back to the event loop with call_soon_threadsafe. The waiting queue is bounded, so
+overload is refused at the door instead of exhausting memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from flashpage.engine.llm_engine import LLMEngine
+from flashpage.outputs import RequestOutput
+from flashpage.sampling_params import SamplingParams
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full; the client should retry later."""
+
+
+@dataclass
+class Update:
+    output: RequestOutput  # the request's state after a step (full text so far per sample)
+    time: float  # when the step finished (perf_counter)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats: dict = engine.stats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._pending = 0  # requests sent to the thread but not yet admitted by it
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
+        self._thread.start()
+
+    # ----- called from the event loop ------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt_token_ids, params)  # reads configuration only: safe from any thread
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[Update]:
+        """Updates for one request until it finishes. Leaving the iteration early aborts the request."""
+        with self._lock:
+            if self._stop:
+                raise EngineOverloaded("the server is shutting down")
+            if self.stats["num_waiting"] + self._pending >= self.max_waiting:
+                raise EngineOverloaded(f"too many waiting requests (max {self.max_waiting})")
+            self._pending += 1
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (q, asyncio.get_running_loop())
+        self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.output.finished:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop admitting; abort what is still running; stop the thread."""
+        with self._lock:
+            self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ----- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        while True:
+            self._drain_inbox()
+            if self._stop:
+                for request_id in list(eng.requests):
+                    eng.abort_request(request_id)
+                    self._send(request_id, RuntimeError("the server shut down before this request finished"))
+                self.stats = eng.stats()
+                return
+            if not eng.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # a failed step must not take the server down silently
+                for request_id in list(eng.requests):
+                    eng.abort_request(request_id)
+                    self._send(request_id, RuntimeError(f"engine step failed: {e}"))
+                outputs = []
+            now = time.perf_counter()
+            for out in outputs:
+                self._send(out.request_id, Update(out, now))
+            self.stats = eng.stats()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, request_id, ids, params, prompt = msg
+                with self._lock:
+                    self._pending -= 1
+                if request_id not in self._queues:
+                    continue  # the client left before admission
+                try:
+                    self.engine.add_request(request_id, ids, params, prompt)
+                except ValueError as e:
+                    self._send(request_id, e)
+            else:
+                self.engine.abort_request(msg[1])
+            self.stats = self.engine.stats()
+
+    def _send(self, request_id: str, item) -> None:
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            q, loop = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)

@@ -1,0 +1,280 @@
+"""The OpenAI-compatible server, started for real on loopback ports, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import engine_from
+from flashpage import SamplingParams
+from flashpage.server.app import build_app
+from flashpage.server.async_engine import AsyncEngine
+
+KEY = "test-key"
+MODEL = "smollm2-135m"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """uvicorn serving `app` on a loopback port in a thread of this process."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(smollm_llm):
+    engine = AsyncEngine(engine_from(smollm_llm), max_waiting=64)
+    server = RunningServer(build_app(engine, smollm_llm.tokenizer, MODEL, api_key=KEY))
+    yield server, engine
+    server.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_server(smollm_llm):
+    """No API key, a 64-token context: for fuzzing, so no request can run long."""
+    engine = AsyncEngine(engine_from(smollm_llm, max_model_len=64), max_waiting=64)
+    server = RunningServer(build_app(engine, smollm_llm.tokenizer, MODEL))
+    yield server, engine
+    server.stop()
+    engine.shutdown()
+
+
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{served[0].url}/v1", api_key=KEY)
+
+
+def wait_idle(engine: AsyncEngine, timeout: float = 30) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = engine.stats
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_slots_allocated"] == 0:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"engine not idle: {engine.stats}")
+
+
+def test_openai_client_completions_and_chat_equal_llm(served, smollm_llm):
+    c = client(served)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    prompt = "The three primary colours are"
+    want = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    got = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.token_ids)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                                                         max_tokens=20, stream=True))
+    assert streamed == want.text
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = smollm_llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    got = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
+    assert got.choices[0].message.content == want.text and "Paris" in want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids) and chunks[-1].choices == []
+    wait_idle(served[1])
+
+
+def test_concurrent_streams_with_disconnects_lose_nothing(served, smollm_llm):
+    prompts = [f"Fact number {i}: the" for i in range(8)]
+    want = {p: o.outputs[0].text for p, o in zip(prompts, smollm_llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False))}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    leaving = [i for i in range(32) if i % 3 == 0]
+    aborted_before = served[1].stats["num_aborted_requests"]
+
+    async def one(i: int, http: httpx.AsyncClient):
+        # a client that will leave asks for far more than could finish meanwhile: only an abort ends it in time
+        body = {"model": MODEL, "prompt": prompts[i % 8], "temperature": 0, "max_tokens": 2000 if i in leaving else 12,
+                "ignore_eos": True, "stream": True}
+        text, events = "", 0
+        async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                events += 1
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if i in leaving and events == 2:
+                    return None  # disconnect mid-stream
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served[0].url, timeout=120) as http:
+            return await asyncio.gather(*(one(i, http) for i in range(32)))
+
+    results = asyncio.run(main())
+    for i, text in enumerate(results):
+        if i not in leaving:
+            assert text == want[prompts[i % 8]], i
+    stats = wait_idle(served[1], timeout=20)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["num_aborted_requests"] - aborted_before == len(leaving)
+
+
+def test_error_statuses_and_bodies(served, smollm_llm):
+    url = served[0].url
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+
+    def post(path, body=None, headers=auth, raw=None):
+        r = httpx.post(url + path, json=body, content=raw, headers={**headers, "content-type": "application/json"})
+        return r.status_code, r.json()
+
+    assert post("/v1/completions", ok, headers={})[0] == 401
+    assert post("/v1/completions", ok, headers={"Authorization": "Bearer wrong"})[0] == 401
+    status, body = post("/v1/completions", {**ok, "model": "gpt-4"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = post("/v1/completions", {**ok, "temperature": -1})
+    assert status == 400 and body["error"]["param"] == "temperature" and "temperature" in body["error"]["message"]
+    status, body = post("/v1/completions", {**ok, "prompt": [5] * 9000})
+    assert status == 400 and "max_model_len" in body["error"]["message"]
+    status, body = post("/v1/completions", raw=b'{"prompt": "hi",')
+    assert status == 400 and "malformed JSON" in body["error"]["message"]
+    status, body = post("/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    status, body = post("/v1/completions", {**ok, "max_tokens": "many"})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    for _, b in [post("/v1/completions", {**ok, "n": 0})]:
+        assert set(b["error"]) == {"message", "type", "param", "code"}
+    wait_idle(served[1])
+
+
+def test_overload_gets_503_with_retry_after(smollm_llm):
+    engine = AsyncEngine(engine_from(smollm_llm), max_waiting=0)
+    server = RunningServer(build_app(engine, smollm_llm.tokenizer, MODEL))
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == 503
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_metrics_parse_and_move(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        text = httpx.get(served[0].url + "/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    before = scrape()
+    client(served).completions.create(model=MODEL, prompt="Count: 1, 2,", max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    after = scrape()
+    assert after["flashpage_generation_tokens_total"] - before.get("flashpage_generation_tokens_total", 0) == 5
+    assert after["flashpage_time_to_first_token_seconds_count"] > before.get("flashpage_time_to_first_token_seconds_count", 0)
+    assert after["flashpage_e2e_request_latency_seconds_count"] >= 1
+    for name in ("flashpage_num_requests_running", "flashpage_num_requests_waiting", "flashpage_kv_cache_usage_ratio",
+                 "flashpage_prefix_cache_hit_rate", "flashpage_num_preemptions", "flashpage_prompt_tokens_total",
+                 "flashpage_inter_token_latency_seconds_count"):
+        assert name in after
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+                           | st.text(max_size=20), lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+          "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stream", "stream_options",
+          "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "echo"]
+PLAUSIBLE = {
+    "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, 60000), max_size=8)),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+                                                "content": st.one_of(st.text(max_size=20), st.none(), st.integers())}),
+                         max_size=3),
+    "max_tokens": st.one_of(st.integers(-2, 8), st.none()), "n": st.integers(-1, 3),
+    "temperature": st.floats(-1, 3, allow_nan=False, allow_infinity=False), "stream": st.booleans(),
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 25)),
+}
+
+
+@st.composite
+def request_bodies(draw):
+    body = {}
+    for f in draw(st.lists(st.sampled_from(FIELDS), unique=True, max_size=8)):
+        body[f] = draw(PLAUSIBLE[f] if f in PLAUSIBLE and draw(st.booleans()) else JSON_VALUES)
+    if draw(st.booleans()) and "max_tokens" not in body:
+        body["max_tokens"] = 3
+    return body
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=request_bodies())
+def test_fuzzed_requests_never_get_500(small_server, path, body):
+    r = httpx.post(small_server[0].url + path, json=body, timeout=60)
+    assert r.status_code in (200, 400, 404), (r.status_code, body, r.text[:300])
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_sigterm_shuts_down_cleanly():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "flashpage", "serve", "--model", "smollm2-135m", "--load-format",
+                             "dummy", "--device", "cpu", "--port", str(port), "--max-model-len", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_bench_serve_reports_throughput_and_latencies(served, tmp_path, capsys):
+    from flashpage.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["--url", served[0].url, "--api-key", KEY, "--num-prompts", "6", "--request-rate", "20",
+               "--input-len", "12", "--output-len", "5", "--vocab", "40000", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["completed"] == 6 and result["failed"] == 0
+    assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0 and result["itl"]["p99_ms"] > 0
+    assert "throughput:" in capsys.readouterr().out
+    wait_idle(served[1])
