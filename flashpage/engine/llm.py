@@ -54,8 +54,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}); outputs keep input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         requests = [self._tokenize(p) for p in prompts]
         params = self._params_list(sampling_params, len(requests))
         for (_, ids), sp in zip(requests, params):  # validate everything before anything runs
@@ -86,8 +85,7 @@ class LLM:
         All beams of all prompts run as one batch per step; their common prefix blocks are shared through the
         prefix cache, so each step recomputes at most the last partial block of each beam.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
+        prompts = _as_prompt_list(prompts)
         width = params.beam_width
         step_params = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
         tokenized = [self._tokenize(p)[1] for p in prompts]
@@ -204,3 +202,10 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {n} prompts")
         return list(sampling_params)
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids or a dict) or a list of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)

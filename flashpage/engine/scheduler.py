@@ -34,10 +34,6 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)  # block copies (copy-on-write) to do before the step
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -52,9 +48,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
