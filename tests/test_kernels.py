@@ -158,3 +158,18 @@ def test_engine_greedy_triton_backend_equals_torch_backend(smollm_llm, smollm_gg
     got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_reads_q_k_v_as_strided_views_of_fused_qkv(dtype):
+    """The model hands q/k/v over as slices of one fused projection: each has its own token stride."""
+    lens, hq, hkv, dim = [19, 70], 8, 2, 64
+    qkv = rand(sum(lens), (hq + 2 * hkv) * dim, dtype=dtype)
+    q, k, v = (t.view(-1, h, dim) for t, h in zip(qkv.split([hq * dim, hkv * dim, hkv * dim], -1), (hq, hkv, hkv)))
+    assert k.stride(0) != hkv * dim and v.stride(0) != hkv * dim
+    args = (cu(lens), cu(lens), max(lens), max(lens))
+    out = tri.flash_attn_varlen(q, k.contiguous(), v, *args, out=nan_like(q.contiguous()))
+    expected = ref.flash_attn_varlen(q.double(), k.double(), v.double(), *args)
+    assert rel_err(out, expected) < TOL[dtype]
+    out = tri.flash_attn_varlen(q, k, v.contiguous(), *args, out=nan_like(q.contiguous()))
+    assert rel_err(out, expected) < TOL[dtype]

@@ -31,7 +31,8 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, hi, k_start, sm_scale_log2,
-                  window_left, window_right, stride_kt, stride_kh, stride_kb, stride_bt, d, d_ok,
+                  window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb,
+                  stride_bt, d, d_ok,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking."""
@@ -39,11 +40,13 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
         if PAGED:
-            block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0)
-            kv_row = block.to(tl.int64) * stride_kb + (kpos % PAGE_SIZE) * stride_kt
-        else:
-            kv_row = (k_start + kpos).to(tl.int64) * stride_kt
-        k = tl.load(K + kv_row[None, :] + kv_head * stride_kh + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
+            block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
+            k_row = block * stride_kb + (kpos % PAGE_SIZE) * stride_kt
+            v_row = block * stride_vb + (kpos % PAGE_SIZE) * stride_vt
+        else:  # K and V may be views of one fused projection: each has its own strides
+            k_row = (k_start + kpos).to(tl.int64) * stride_kt
+            v_row = (k_start + kpos).to(tl.int64) * stride_vt
+        k = tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
                     other=0.0)
         s = _dot(q, k, UPCAST) * sm_scale_log2
         if MASKED:
@@ -64,7 +67,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_row[:, None] + kv_head * stride_kh + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+        v = tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
                     other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
@@ -76,7 +79,7 @@ def _attention_kernel(
     Q, K, V, Out, PartOut, PartLse,
     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
     sm_scale_log2, window_left, window_right,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -140,11 +143,12 @@ def _attention_kernel(
     if not MASK_EVERY_TILE:
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
                                       k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh,
-                                      stride_kb, stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL,
-                                      False, UPCAST)
+                                      stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, d, d_ok, BLOCK_M,
+                                      BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, UPCAST)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi, k_start,
                                   sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb,
-                                  stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, UPCAST)
+                                  stride_vt, stride_vh, stride_vb, stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED,
+                                  PAGE_SIZE, CAUSAL, True, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
@@ -183,7 +187,7 @@ def _check(q, k_or_cache, v_or_cache, window_size):
         raise ValueError("q must be [tokens, heads, head_dim] and k/v must have equal shapes")
     if q.shape[1] % k_or_cache.shape[-2]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_or_cache.shape[-2]})")
-    if q.shape[-1] != k_or_cache.shape[-1] or q.stride(-1) != 1 or k_or_cache.stride(-1) != 1:
+    if q.shape[-1] != k_or_cache.shape[-1] or 1 != q.stride(-1) or 1 != k_or_cache.stride(-1) or 1 != v_or_cache.stride(-1):
         raise ValueError("head_dim must match and be the innermost, contiguous dimension")
     if len(window_size) != 2:
         raise ValueError("window_size must be (left, right)")
@@ -224,7 +228,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     _attention_kernel[(grid_m, batch, hkv * num_splits)](
         q, k, v, out, part, lse, cu_q, unused if paged else cu_k, seq_lens_k if paged else unused,
         block_table if paged else unused, scale, window_size[0], window_size[1],
-        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), k.stride(0) if paged else 0, out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), k.stride(0) if paged else 0,
+        v.stride(-3), v.stride(-2), v.stride(0) if paged else 0, out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
         _merge_splits[(total_q, hq)](part, lse, out, *part_strides, out.stride(0), out.stride(1),
