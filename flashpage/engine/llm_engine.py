@@ -123,9 +123,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its KV blocks are freed at once."""
         req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.num_aborted += 1
-        for seq in req.seqs if req else []:
+        if req is None:
+            return  # unknown, or already finished
+        self.num_aborted += 1
+        for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"

@@ -103,7 +103,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         if body.echo:
             raise APIError(400, "echo is not supported", "invalid_request_error", 400, "echo")
         params = _params(body, body.max_tokens, body.logprobs)
-        prompts = [_tokenize(p, tokenizer, True) for p in body.prompts()]
+        prompts = [_tokenize(p, tokenizer) for p in body.prompts()]
         for ids in prompts:
             _validate(engine, ids, params)
         rid = f"cmpl-{secrets.token_hex(12)}"
@@ -173,13 +173,13 @@ def _params(body, max_tokens, logprobs):
         raise APIError(400, str(e), "invalid_request_error", 400, field) from e
 
 
-def _tokenize(prompt, tokenizer: Tokenizer | None, add_special: bool) -> list[int]:
+def _tokenize(prompt, tokenizer: Tokenizer | None) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "invalid_request_error", 400,
                        "prompt")
-    return tokenizer.encode(prompt, add_special_tokens=add_special)
+    return tokenizer.encode(prompt)
 
 
 def _validate(engine: AsyncEngine, ids: list[int], params) -> None:
@@ -287,7 +287,8 @@ def _sse(streams, prompts, params, chunk, first_chunk, stream_options, rid, obj,
 
     async def events():
         timing = _Timing(metrics, len(streams))
-        sent: dict[tuple[int, int], int] = {}
+        sent: dict[tuple[int, int], int] = {}  # (prompt, sample) -> characters streamed
+        closed: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
         finals: dict[int, RequestOutput] = {}
         try:
             if first_chunk:
@@ -298,11 +299,12 @@ def _sse(streams, prompts, params, chunk, first_chunk, stream_options, rid, obj,
                 for o in update.output.outputs:
                     done = o.finish_reason is not None
                     end = streamable_end(o.text, params.stop, done)
-                    start = sent.get((i, o.index), 0)
-                    if end > start or (done and (i, o.index, "done") not in sent):
-                        sent[(i, o.index)] = max(start, end)
+                    key = (i, o.index)
+                    start = sent.get(key, 0)
+                    if end > start or (done and key not in closed):
+                        sent[key] = max(start, end)
                         if done:
-                            sent[(i, o.index, "done")] = 1
+                            closed.add(key)
                         yield _event(chunk(i, o, o.text[start:end], o.finish_reason if done else None))
                 if update.output.finished:
                     finals[i] = update.output
