@@ -1,8 +1,9 @@
-"""The `flashpage` command: generate and chat (serve and bench join as their issues land)."""
+"""The `flashpage` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 
@@ -15,8 +16,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on CUDA, torch (PyTorch reference) on CPU")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA, torch (PyTorch references) on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
@@ -30,10 +32,10 @@ def _llm(args):
     from flashpage import LLM
 
     return LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
-               max_model_len=args.max_model_len, attention_backend=args.attention_backend, block_size=args.block_size,
+               max_model_len=args.max_model_len, kernels=args.kernels, block_size=args.block_size,
                num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -62,16 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get 503")
-    bench = sub.add_parser("bench", help="benchmarks: kernels (CUDA GPU), serve (against a running server)")
-    bench.add_argument("suite", choices=["kernels", "serve"])
+    bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput (CUDA GPU); serve (a running server)")
+    bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        if args.suite == "kernels":
-            from flashpage.bench.kernels import main as bench_main
-        else:
-            from flashpage.bench.serve import main as bench_main
-        return bench_main(args.rest)
+        module = importlib.import_module(f"flashpage.bench.{args.suite}")
+        return module.main(args.rest)
     if args.command == "serve":
         return _serve(args)
 

@@ -152,7 +152,7 @@ def test_engine_greedy_triton_backend_equals_torch_backend(smollm_llm, smollm_gg
     """End to end on SmolLM2 (GQA 9/3, head dim 64): the Triton kernels give the PyTorch backend's tokens."""
     from flashpage import LLM, SamplingParams
 
-    triton_llm = LLM(str(smollm_gguf), dtype="float32", device=DEVICE, attention_backend="triton")
+    triton_llm = LLM(str(smollm_gguf), dtype="float32", device=DEVICE, kernels="triton")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = ["The capital of France is", "1 2 3"]
     got = [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params, use_tqdm=False)]

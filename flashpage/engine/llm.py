@@ -19,14 +19,14 @@ PromptType = str | dict | list[int]
 
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, dtype="auto", device: str = "auto", seed: int = 0,
-                 load_format: str = "auto", max_model_len: int | None = None, attention_backend: str = "auto",
+                 load_format: str = "auto", max_model_len: int | None = None, kernels: str = "auto",
                  block_size: int = 16, num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  cpu_kv_cache_gb: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if attention_backend == "auto":  # Triton kernels on the GPU; on CPU the interpreter would be far too slow
-            attention_backend = "triton" if str(device).startswith("cuda") else "torch"
+        if kernels == "auto":  # Triton kernels on the GPU; on CPU the interpreter would be far too slow
+            kernels = "triton" if str(device).startswith("cuda") else "torch"
         loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, seed=seed)
         limit = loaded.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
@@ -39,7 +39,7 @@ class LLM:
             max_model_len=self.max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
             gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend), seed=seed)
+            kernels=kernels, enforce_eager=enforce_eager), seed=seed)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass, field
 
 import torch
 
-from flashpage.engine.runner import ModelRunner
-from flashpage.engine.sampler import apply_penalties, logprobs_of, sample
+from flashpage.engine.runner import ModelRunner, SampledTokens
+from flashpage.engine.sampler import SampleRow
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Sequence
-from flashpage.kv import BlockManager
+from flashpage.kv import PENDING, BlockManager
 from flashpage.loader import LoadedModel
 from flashpage.outputs import CompletionOutput, RequestOutput
 from flashpage.sampling_params import SamplingParams
@@ -28,7 +29,18 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    kernels: str = "torch"  # "triton" or "torch" (the PyTorch references)
+    enforce_eager: bool = False  # CUDA: no graphs, every step eager
+    overlap: bool = True  # schedule and launch step N+1 before reading back step N's tokens
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens are still on their way back."""
+    seqs: list[Sequence]  # one per sampled row
+    positions: list[int]  # where each row's token goes in its sequence's token_ids
+    result: SampledTokens
+    overlap: bool  # the next step may be scheduled before this one is read back
 
 
 @dataclass
@@ -51,10 +63,12 @@ class LLMEngine:
         num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit(loaded, cfg)
         if num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
-        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, cfg.attention_backend)
+        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, cfg.kernels, cfg.max_num_seqs,
+                                  cfg.max_model_len, cfg.enforce_eager)
         self.bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.rng = random.Random(seed)  # seeds of unseeded requests
+        self.in_flight: InFlight | None = None
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -106,12 +120,9 @@ class LLMEngine:
 
     def _new_sequence(self, req: Request, index: int, arrival: int) -> Sequence:
         p = req.params
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator(device=self.runner.device).manual_seed((p.seed * 1_000_003 + index) % 2**63)
         seq = Sequence(
             seq_id=next(self._seq_ids), request_id=req.request_id, index=index, token_ids=list(req.prompt_token_ids),
-            num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=arrival, generator=gen,
+            num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=arrival,
             detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
             if self.tokenizer else None,
             logprobs=[] if p.logprobs is not None else None,
@@ -137,10 +148,19 @@ class LLMEngine:
 
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of the requests it advanced (finished ones flagged)."""
+        """Schedule and launch one batch; return the outputs of the requests advanced by the batch launched
+        before it (finished ones flagged). With overlap, the host schedules this step while the GPU still runs
+        the last one, whose tokens this step reads on the device; otherwise a step is read back at once."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        launched = self._launch(batch) if batch.seqs else None
+        outputs = self._read_back(self.in_flight) if self.in_flight else []
+        self.in_flight = launched
+        if launched and not launched.overlap:
+            outputs += self._read_back(launched)
+            self.in_flight = None
+        return outputs
+
+    def _launch(self, batch) -> InFlight:
         logits, prompt_logits = self.runner.execute(batch)
         for seq_id, pl in prompt_logits.items():
             self._record_prompt_logprobs(self.seqs[seq_id], pl, next(s for s in batch.seqs if s.seq_id == seq_id).start)
@@ -158,33 +178,65 @@ class LLMEngine:
                     self.scheduler.fork(seq, child)
                     rows.append(row)
                     seqs.append(child)
-        logits = logits[rows]
-        tokens = self._sample(logits, seqs)
-        chosen, tops = logprobs_of(logits, tokens, [s.params.logprobs for s in seqs])
+        if rows != list(range(logits.shape[0])):
+            logits = logits[rows]
+        sample_rows = [SampleRow(s.params, s.token_ids, len(s.token_ids) - s.num_prompt_tokens, self._seed(s))
+                       for s in seqs]
+        result = self.runner.sample(logits, sample_rows, [self._blocked_tokens(s) for s in seqs],
+                                    [s.seq_id for s in seqs])
+        positions = []
+        for seq in seqs:  # the token is PENDING until read back; the next step may already compute on it
+            positions.append(len(seq.token_ids))
+            seq.token_ids.append(PENDING)
+            seq.num_pending += 1
+            n_out = len(seq.token_ids) - seq.num_prompt_tokens
+            seq.last_pending = (seq.params.max_tokens is not None and n_out >= seq.params.max_tokens) or \
+                len(seq.token_ids) >= self.cfg.max_model_len
+        # Penalties need every earlier token on the host before the next step samples.
+        overlap = self.cfg.overlap and not any(s.params.uses_penalties for s in seqs)
+        return InFlight(seqs, positions, result, overlap)
+
+    def _seed(self, seq: Sequence) -> int:
+        """This step's random seed for a sequence: from the request's seed, sample index and position if it has
+        one (so its tokens do not depend on what else runs), else from the engine's generator."""
+        if seq.params.seed is None:
+            return self.rng.getrandbits(63)
+        return hash((seq.params.seed, seq.index, len(seq.token_ids))) % 2**63
+
+    def _blocked_tokens(self, seq: Sequence) -> list[int]:
+        """Tokens the sequence may not pick yet: its stop tokens before min_tokens."""
+        p = seq.params
+        if len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
+
+    def _read_back(self, step: InFlight) -> list[RequestOutput]:
+        tokens, logprobs, top_ids, top_lps = step.result.wait()
         advanced = {}
-        for seq, token, lp, top in zip(seqs, tokens.tolist(), chosen, tops):
-            self._append(seq, token, lp, top)
+        for i, (seq, pos, token, lp) in enumerate(zip(step.seqs, step.positions, tokens, logprobs)):
+            if seq.finished:
+                continue  # finished (or aborted) while this step ran: the token is dropped
+            seq.token_ids[pos] = token
+            seq.num_pending -= 1
+            self.bm.token_known(seq.seq_id, seq.token_ids, pos)
+            top = None
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                top = dict(zip(top_ids[i][:k], top_lps[i][:k])) if k else {}
+                top[token] = lp
+            self._append(seq, pos, token, lp, top)
             advanced[seq.request_id] = self.requests[seq.request_id]
         return [self._output(req) for req in advanced.values()]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        logits = apply_penalties(logits, [s.token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                                 [s.params for s in seqs])
-        for i, seq in enumerate(seqs):  # no stop token before min_tokens
-            if len(seq.output_token_ids) < seq.params.min_tokens:
-                stops = list(seq.params.stop_token_ids) + ([] if seq.params.ignore_eos else list(self.eos_ids))
-                logits[i, stops] = float("-inf")
-        return sample(logits, [s.params for s in seqs], [s.generator or self.generator for s in seqs])
-
-    def _append(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
+    def _append(self, seq: Sequence, pos: int, token: int, logprob: float, top: dict | None) -> None:
+        """Account for the token now known at `pos` (later positions may still be pending)."""
         p = seq.params
-        seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
             seq.logprobs.append(top)
         if seq.detokenizer:
             seq.text += seq.detokenizer.step(token)
-        n_out = len(seq.output_token_ids)
+        n_out = pos + 1 - seq.num_prompt_tokens
         if not p.ignore_eos and token in self.eos_ids:  # (masked until min_tokens)
             self._finish(seq, "stop", None)
         elif token in p.stop_token_ids:
@@ -192,8 +244,11 @@ class LLMEngine:
         elif p.stop and (hit := _first_stop(seq.text, p.stop)) is not None:
             seq.text = seq.text[:hit[0]]
             self._finish(seq, "stop", hit[1])
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq.token_ids) >= self.cfg.max_model_len:
+        elif (p.max_tokens is not None and n_out >= p.max_tokens) or pos + 1 >= self.cfg.max_model_len:
             self._finish(seq, "length", None)
+        if seq.finished:  # drop tokens launched after this one
+            del seq.token_ids[pos + 1:]
+            seq.num_pending = 0
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
@@ -205,8 +260,14 @@ class LLMEngine:
         if end <= start or len(seq.prompt_logprobs) != start + 1:
             return
         targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logits.device)
-        _, tops = logprobs_of(logits[:end - start], targets, [seq.params.prompt_logprobs] * (end - start))
-        seq.prompt_logprobs += tops
+        lp = torch.log_softmax(logits[:end - start], dim=-1)
+        chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
+        k = seq.params.prompt_logprobs
+        top_ids, top_lps = lp.topk(k, dim=-1) if k else (None, None)
+        for i, (token, value) in enumerate(zip(targets.tolist(), chosen)):
+            entry = dict(zip(top_ids[i].tolist(), top_lps[i].tolist())) if k else {}
+            entry[token] = value
+            seq.prompt_logprobs.append(entry)
 
     def _output(self, req: Request) -> RequestOutput:
         finished = all(s.finished for s in req.seqs) and (req.forked or req.params.n == 1)

@@ -1,83 +1,83 @@
-"""Batched next-token sampling on the device: penalties, min_tokens, temperature, top-k/top-p/min-p, seeds.
+"""Sampler: one step's sampling on the device, from each row's SamplingParams.
 
-Python loops run over the batch's rows (to gather each row's token ids or generator), never over the vocabulary.
+Builds the per-row tensors on the host and uploads them without waiting for the GPU, then calls the kernel
+set's `apply_penalties` and `sample` (Triton on the GPU, PyTorch references on CPU). Log-probabilities of the
+chosen tokens (and top-k where asked) are computed on the device too; nothing here reads a result back.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
 from flashpage.sampling_params import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, token_ids: list[list[int]], output_ids: list[list[int]],
-                    params: list[SamplingParams]) -> torch.Tensor:
-    """Repetition penalty over prompt + output tokens (transformers' rule); presence/frequency over output."""
-    rows = [i for i, p in enumerate(params) if p.uses_penalties]
-    if not rows:
-        return logits
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, copied asynchronously from pinned memory on CUDA."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far (penalties and min_tokens look at them)
+    num_output: int
+    seed: int  # this row's random stream for this step
+
+
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # [B] int64, on the device
+    logprobs: torch.Tensor  # [B] float32: log-probability of each chosen token under the raw distribution
+    top_ids: torch.Tensor | None  # [B, k] where some row asked for top logprobs
+    top_logprobs: torch.Tensor | None
+
+
+def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], stop_ids: list[list[int]]) -> Sampled:
+    """logits [B, V] float32 (modified in place). stop_ids[i]: tokens row i may not pick yet (min_tokens)."""
     dev, vocab = logits.device, logits.shape[-1]
-    sub = logits[rows]
-    seen = torch.zeros_like(sub, dtype=torch.bool)
-    counts = torch.zeros_like(sub)
-    for j, i in enumerate(rows):
-        seen[j, torch.tensor(token_ids[i], device=dev, dtype=torch.long).clamp_(0, vocab - 1)] = True
-        out = torch.tensor(output_ids[i], device=dev, dtype=torch.long)
-        counts[j].index_add_(0, out, torch.ones_like(out, dtype=sub.dtype))
-    rep = torch.tensor([params[i].repetition_penalty for i in rows], device=dev)[:, None]
-    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    presence = torch.tensor([params[i].presence_penalty for i in rows], device=dev)[:, None]
-    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=dev)[:, None]
-    sub = sub - presence * (counts > 0) - frequency * counts
-    logits = logits.clone()
-    logits[rows] = sub
-    return logits
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] (int64). Rows with temperature 0 take the argmax."""
-    dev = logits.device
-    greedy = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        return greedy
-    temp = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    probs = filter_probs(
-        probs,
-        top_k=torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params], device=dev),
-        top_p=torch.tensor([p.top_p for p in params], device=dev),
-        min_p=torch.tensor([p.min_p for p in params], device=dev),
+    masked = [(i, t) for i, ids in enumerate(stop_ids) for t in ids]
+    # Log-probabilities are reported under the raw distribution: taken before penalties and masks change it.
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if masked or any(r.params.uses_penalties for r in rows) else None
+    _penalise(ops, logits, rows)
+    if masked:
+        logits[upload([i for i, _ in masked], torch.int64, dev), upload([t for _, t in masked], torch.int64, dev)] = float("-inf")
+    params = [r.params for r in rows]
+    tokens = ops.sample(
+        logits,
+        upload([p.temperature for p in params], torch.float32, dev),
+        upload([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int32, dev),
+        upload([p.top_p for p in params], torch.float32, dev),
+        upload([p.min_p for p in params], torch.float32, dev),
+        upload([r.seed for r in rows], torch.int64, dev),
     )
-    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p. Each row draws its
-    # noise from its own generator, so a seeded request does not depend on its neighbours.
-    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=g) for g in generators])
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(is_greedy, greedy, sampled)
+    if raw_logprobs is None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
+    k = max((p.logprobs for p in params if p.logprobs), default=0)
+    top = raw_logprobs.topk(k, dim=-1) if k else None
+    return Sampled(tokens, chosen, top.indices if top else None, top.values if top else None)
 
 
-def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tokens outside top-k, outside the top-p nucleus, or under min_p * max prob. Not renormalised."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None]) | (sorted_p < min_p[:, None] * sorted_p[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-
-
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, top: list[int | None]) -> tuple[list[float], list[dict | None]]:
-    """Log-probabilities under the model's raw distribution: of `tokens`, and each row's top-k (plus its token)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(-1, tokens[:, None])[:, 0].tolist()
-    k_max = max((k for k in top if k), default=0)
-    tops = lp.topk(k_max, dim=-1) if k_max else None
-    out = []
-    for i, k in enumerate(top):
-        if k is None:
-            out.append(None)
-            continue
-        entry = {int(t): float(v) for t, v in zip(tops.indices[i, :k].tolist(), tops.values[i, :k].tolist())} if k else {}
-        entry[int(tokens[i])] = chosen[i]
-        out.append(entry)
-    return chosen, out
+def _penalise(ops, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Repetition penalty over prompt + output tokens (transformers' rule); presence/frequency over the output."""
+    which = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+    if not which:
+        return
+    entry_rows, tokens, counts = [], [], []
+    for i in which:
+        r = rows[i]
+        out = Counter(r.token_ids[len(r.token_ids) - r.num_output:])
+        for t in set(r.token_ids):
+            entry_rows.append(i)
+            tokens.append(t)
+            counts.append(out.get(t, 0))
+    dev = logits.device
+    per_row = lambda f: upload([f(r.params) for r in rows], torch.float32, dev)  # noqa: E731
+    ops.apply_penalties(logits, upload(entry_rows, torch.int32, dev), upload(tokens, torch.int64, dev),
+                        upload(counts, torch.int32, dev), per_row(lambda p: p.repetition_penalty),
+                        per_row(lambda p: p.presence_penalty), per_row(lambda p: p.frequency_penalty))

@@ -56,6 +56,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.last_pending:
+                i += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
                 victim = self.running[-1]

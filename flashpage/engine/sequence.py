@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from flashpage.sampling_params import SamplingParams
 from flashpage.tokenizer import IncrementalDetokenizer
@@ -21,7 +19,6 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival: int  # admission order; preemption takes the newest
-    generator: torch.Generator | None = None  # own random stream when the request is seeded
     detokenizer: IncrementalDetokenizer | None = None
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: str = WAITING
@@ -31,11 +28,13 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    output_counts: dict[int, int] = field(default_factory=dict)  # for presence / frequency penalties
+    num_pending: int = 0  # PENDING tokens at the end of token_ids
+    last_pending: bool = False  # its pending token ends it (length limit): schedule nothing more
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Generated tokens known so far (pending ones left out)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
     def num_uncomputed(self) -> int:

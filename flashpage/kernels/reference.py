@@ -62,3 +62,57 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     slots = slot_mapping[keep].long()
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def rms_norm(x, weight, eps, residual=None):
+    h = x if residual is None else x + residual
+    f = h.float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * f.to(h.dtype), h
+
+
+def silu_and_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_and_cache(q, k, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+    def rotate(x):
+        half = x.shape[-1] // 2
+        return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
+    q, k = rotate(q), rotate(k)
+    if k_cache is not None:
+        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def filter_probs(probs, top_k, top_p, min_p):
+    """Zero the tokens outside top-k, outside the top-p nucleus, or under min_p * max prob. Not renormalised."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None]) | (sorted_p < min_p[:, None] * sorted_p[:, :1])
+    drop[:, 0] = False  # the most likely token always survives
+    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds):
+    greedy = logits.argmax(dim=-1)
+    is_greedy = temperature == 0
+    if bool(is_greedy.all()):
+        return greedy
+    probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None], dim=-1)
+    probs = filter_probs(probs, top_k, top_p, min_p)
+    # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one generator per row seeded by its seed.
+    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=torch.Generator(logits.device).manual_seed(s))
+                         for s in seeds.tolist()])
+    return torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
+
+
+def apply_penalties(logits, rows, tokens, counts, repetition, presence, frequency):
+    rows = rows.long()
+    x = logits[rows, tokens.long()]
+    rep = repetition[rows]
+    x = torch.where(x > 0, x / rep, x * rep)
+    x = x - presence[rows] * (counts > 0) - frequency[rows] * counts
+    logits[rows, tokens.long()] = x

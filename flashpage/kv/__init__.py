@@ -1,3 +1,3 @@
-from flashpage.kv.block_manager import BlockManager, CopyOp
+from flashpage.kv.block_manager import PENDING, BlockManager, CopyOp
 
-__all__ = ["BlockManager", "CopyOp"]
+__all__ = ["PENDING", "BlockManager", "CopyOp"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+PENDING = -1  # a token id not known yet (the GPU is still sampling it); a block holding one is cached once it is
+
 
 @dataclass(frozen=True)
 class CopyOp:
@@ -116,6 +118,14 @@ class BlockManager:
                 self._register(table, i, tokens)
         return copies
 
+    def token_known(self, seq_id: int, tokens: list[int], position: int) -> None:
+        """The token at `position`, pending when its slot was assigned, is now in `tokens`: if it completed a
+        block, register that block in the prefix cache."""
+        table = self.tables.get(seq_id)
+        index = position // self.block_size
+        if self.enable_prefix_caching and table and (position + 1) % self.block_size == 0 and index < len(table):
+            self._register(table, index, tokens)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (reference counts go up)."""
         if child_id in self.tables:
@@ -164,7 +174,10 @@ class BlockManager:
         parent = self.block_hash.get(table[index - 1]) if index else None
         if index and parent is None:
             return  # its parent was never registered, so no lookup can reach this block
-        h = self._hash(parent, tokens[index * self.block_size:(index + 1) * self.block_size])
+        chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
+        if PENDING in chunk:
+            return  # registered by token_known once the token is known
+        h = self._hash(parent, chunk)
         if h in self.cached:
             return  # the same tokens are cached in another block already
         self.cached[h] = block

@@ -1,4 +1,4 @@
-from flashpage.model.attention import AttentionBackend, AttentionMetadata
+from flashpage.model.attention import AttentionMetadata
 from flashpage.model.llama import LlamaForCausalLM
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "LlamaForCausalLM"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM"]

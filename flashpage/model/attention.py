@@ -1,17 +1,14 @@
-"""The attention-backend interface the model calls.
+"""Attention as the model calls it: rotary embedding, the paged KV cache, and the attention kernels.
 
 The model hands every attention layer flattened tokens of several sequences (varlen, no padding) plus one
-`AttentionMetadata` describing the batch. The backend writes the new keys/values into the layer's paged KV
-cache (if there is one), then attends each sequence's queries to all its keys. A layer's cache is a pair of
-tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
-
-`AttentionBackend` takes its operations from a module with `flash_attn_varlen`, `paged_attention` and
-`reshape_and_cache`: `flashpage.kernels.reference` (PyTorch) or `flashpage.kernels.triton_ops` (Triton).
+`AttentionMetadata` describing the batch. With a cache, the rotated keys and the values are written into the
+layer's paged cache (a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`) and each sequence's
+queries attend to all its keys there; without one (a plain forward pass) the queries attend to the new keys.
+`ops` is a kernel set (`flashpage.kernels.kernel_set`).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
@@ -33,24 +30,15 @@ class AttentionMetadata:
         return cls(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), max(seq_lens, default=0))
 
 
-BACKENDS = {"torch": "flashpage.kernels.reference", "triton": "flashpage.kernels.triton_ops"}
-
-
-class AttentionBackend:
-    def __init__(self, name: str = "torch"):
-        if name not in BACKENDS:
-            raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
-        self.name = name
-        self.ops = importlib.import_module(BACKENDS[name])
-
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
-        """q [T, Hq, D], k/v [T, Hkv, D] (new tokens); returns [T, Hq, D]."""
-        # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
-        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-        if kv_cache is None:
-            return self.ops.flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
-                                              meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
-        k_cache, v_cache = kv_cache
-        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.ops.paged_attention(q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
-                                        meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
+def attention(ops, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+    """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]."""
+    # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    if kv_cache is None:
+        q, k = ops.rope_and_cache(q, k, cos, sin)
+        return ops.flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
+                                     meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
+    k_cache, v_cache = kv_cache
+    q, k = ops.rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, meta.slot_mapping)
+    return ops.paged_attention(q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
+                               meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)

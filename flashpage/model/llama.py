@@ -1,8 +1,9 @@
 """One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2.
 
-Tokens come flattened (all sequences of a step back to back) with their positions; attention goes
-through a backend so kernels and a paged cache plug in without touching this file. Q/K/V and
-gate/up are each one matmul; `load_weights` takes transformers' tensor names and fills the slices.
+Tokens come flattened (all sequences of a step back to back) with their positions. Everything but the matmuls
+runs through a kernel set (`flashpage.kernels`: PyTorch references or Triton), which the model holds as `ops`:
+RMSNorm fused with the residual add, rotary embedding fused with the KV-cache write, attention, SiLU-and-mul.
+Q/K/V and gate/up are each one matmul; `load_weights` takes transformers' tensor names and fills the slices.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 from torch import nn
 
 from flashpage.config import ModelConfig
-from flashpage.model.attention import AttentionBackend, AttentionMetadata
-from flashpage.model.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from flashpage.kernels import kernel_set
+from flashpage.model.attention import AttentionMetadata, attention
+from flashpage.model.rope import rope_cos_sin, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -23,15 +25,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype: transformers' exact order of roundings.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(h), h) with h = x + residual: the residual stream passes through the norm's kernel."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -39,14 +39,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
-        self.backend = backend
 
-    def forward(self, x, cos, sin, meta, kv_cache):
+    def forward(self, ops, x, cos, sin, meta, kv_cache):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        o = attention(ops, q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.flatten(1))
 
 
@@ -56,22 +55,24 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, ops, x):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, meta, kv_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, ops, x, residual, cos, sin, meta, kv_cache):
+        """x: the previous layer's output, not yet added to the residual stream (None before the first layer)."""
+        x, residual = self.input_layernorm(ops, x, residual)
+        x = self.self_attn(ops, x, cos, sin, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(ops, x, residual)
+        return self.mlp(ops, x), residual
 
 
 # transformers name fragment -> (our parameter fragment, shard index) for the fused projections.
@@ -85,20 +86,20 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend=None):
+    def __init__(self, cfg: ModelConfig, kernels: str = "torch"):
         super().__init__()
         self.config = cfg
-        backend = backend or AttentionBackend("torch")
+        self.ops = kernel_set(kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied models read the embedding matrix at the head (a shared Parameter would not survive to_empty()).
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._inv_freq = rope_inv_freq(cfg)  # CPU float32; not a buffer, so meta/dtype moves leave it exact
 
-    def set_attention_backend(self, backend) -> None:
-        for layer in self.layers:
-            layer.self_attn.backend = backend
+    def set_kernels(self, name: str) -> None:
+        """'torch' (PyTorch references) or 'triton'."""
+        self.ops = kernel_set(name)
 
     def forward(
         self,
@@ -112,9 +113,10 @@ class LlamaForCausalLM(nn.Module):
         if self._inv_freq.device != h.device:
             self._inv_freq = self._inv_freq.to(h.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, h.dtype)
+        x, residual = h, None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
-        return self.norm(h)
+            x, residual = layer(self.ops, x, residual, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        return self.norm(self.ops, x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

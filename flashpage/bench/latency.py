@@ -1,0 +1,158 @@
+"""`flashpage bench latency`: single-batch decode latency on a CUDA GPU, with its peers measured in the same run.
+
+On random ("dummy") weights of a real shape (llama-3-8b bf16 by default), in one process:
+1. engine start to first token (load, KV cache, CUDA graph capture, one request);
+2. the device's copy bandwidth, hence the weight-streaming floor: weight bytes / copy rate per decode step;
+3. flashpage: per-token decode time of `--batch-size` prompts of `--input-len` random tokens;
+4. a gpt-fast-style compiled PyTorch loop (static cache, torch.compile reduce-overhead) on the same weights;
+5. transformers' `generate` (eager, SDPA) on the same weights;
+6. greedy agreement: the first 16 tokens of a few prompts against transformers, with where they first diverge
+   and the reference's logit margin there.
+Prints a table and writes JSON with `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashpage.bench.common import copy_bandwidth_tbs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flashpage bench latency", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b", help="a preset for dummy weights (or a model path)")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each system (median reported)")
+    p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    skip = set(filter(None, args.skip.split(",")))
+    from flashpage import LLM, SamplingParams
+
+    results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
+               "dtype": args.dtype, "batch_size": args.batch_size, "input_len": args.input_len,
+               "output_len": args.output_len}
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16)
+    vocab = llm.config.vocab_size
+    first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
+                         SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    results["start_to_first_token_s"] = time.perf_counter() - t0
+    assert len(first[0].outputs[0].token_ids) == 1
+    model = llm.engine.runner.model
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    bw = copy_bandwidth_tbs()
+    results.update(weight_bytes=weight_bytes, copy_tbs=bw, floor_ms=weight_bytes / (bw * 1e12) * 1e3)
+
+    prompts = torch.randint(vocab, (args.batch_size, args.input_len), generator=gen)
+
+    def timed_generate(max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    timed_generate(args.output_len)  # warm-up
+    prefill_s = statistics.median(timed_generate(1)[0] for _ in range(args.repeats))
+    total_s = statistics.median(timed_generate(args.output_len)[0] for _ in range(args.repeats))
+    results["flashpage_ms_per_token"] = (total_s - prefill_s) / (args.output_len - 1) * 1e3
+    results["flashpage_ttft_ms"] = prefill_s * 1e3
+
+    cuda_prompts = prompts.cuda()
+    if "gpt-fast" not in skip:
+        from flashpage.bench.peers import StaticLlama, compiled_greedy_step, gpt_fast_generate
+
+        net = StaticLlama(model, args.batch_size, args.input_len + args.output_len)
+        decode = compiled_greedy_step()
+        t = time.perf_counter()
+        gpt_fast_generate(net, decode, cuda_prompts, args.output_len)  # compiles
+        results["gpt_fast_compile_s"] = time.perf_counter() - t
+        results["gpt_fast_ms_per_token"] = statistics.median(
+            gpt_fast_generate(net, decode, cuda_prompts, args.output_len)[1] for _ in range(args.repeats))
+        del net, decode
+        torch.cuda.empty_cache()
+    hf = None
+    if "transformers" not in skip or "check" not in skip:
+        from flashpage.bench.peers import to_transformers
+
+        hf = to_transformers(model)
+    if "transformers" not in skip:
+        def hf_generate(n):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.inference_mode():
+                hf.generate(cuda_prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        hf_generate(8)
+        hf_prefill = statistics.median(hf_generate(1) for _ in range(args.repeats))
+        hf_total = statistics.median(hf_generate(args.output_len) for _ in range(args.repeats))
+        results["transformers_ms_per_token"] = (hf_total - hf_prefill) / (args.output_len - 1) * 1e3
+    if "check" not in skip:
+        results["greedy_check"] = greedy_check(llm, hf, vocab, gen)
+    report(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def greedy_check(llm, hf, vocab: int, gen: torch.Generator, lengths=(5, 37, 128, 511), n: int = 16) -> list[dict]:
+    """flashpage's greedy tokens against transformers'; where they differ, the reference's top-2 logit margin
+    at the first differing step (a small margin means bf16 rounding chose, not a bug)."""
+    from flashpage import SamplingParams
+
+    out = []
+    for length in lengths:
+        prompt = torch.randint(vocab, (length,), generator=gen)
+        ours = llm.generate([prompt.tolist()], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        with torch.inference_mode():
+            ref = hf.generate(prompt[None].cuda(), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              output_scores=True, return_dict_in_generate=True)
+        theirs = ref.sequences[0, length:].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        entry = {"prompt_len": length, "equal_tokens": n if first is None else first}
+        if first is not None:
+            top2 = ref.scores[first][0].float().topk(2).values
+            entry["margin_at_divergence"] = float(top2[0] - top2[1])
+        out.append(entry)
+    return out
+
+
+def report(r: dict) -> None:
+    floor = r["floor_ms"]
+    print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}, batch {r['batch_size']}, {r['input_len']} prompt "
+          f"tokens, {r['output_len']} generated")
+    print(f"engine start to first token: {r['start_to_first_token_s']:.1f} s")
+    print(f"copy bandwidth {r['copy_tbs']:.2f} TB/s; weights {r['weight_bytes'] / 1e9:.2f} GB -> floor {floor:.2f} ms/token")
+    print(f"{'system':<28}{'ms/token':>10}{'tok/s':>10}{'floor/ms':>10}{'flashpage x':>13}")
+    ours = r["flashpage_ms_per_token"]
+    for name, key in [("flashpage", "flashpage_ms_per_token"), ("gpt-fast style (compiled)", "gpt_fast_ms_per_token"),
+                      ("transformers generate", "transformers_ms_per_token")]:
+        if key in r:
+            ms = r[key]
+            print(f"{name:<28}{ms:>10.2f}{r['batch_size'] * 1e3 / ms:>10.1f}{floor / ms:>10.1%}{ms / ours:>13.2f}")
+    for c in r.get("greedy_check", []):
+        extra = f", margin {c['margin_at_divergence']:.3f} there" if "margin_at_divergence" in c else ""
+        print(f"greedy vs transformers, prompt {c['prompt_len']}: first {c['equal_tokens']} tokens equal{extra}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

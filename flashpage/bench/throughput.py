@@ -1,0 +1,94 @@
+"""`flashpage bench throughput`: offline throughput on a CUDA GPU against transformers' `generate` in the same run.
+
+`--num-prompts` requests of `--input-len` random prompt tokens, each generating exactly `--output-len` tokens
+(EOS ignored), all handed to `LLM.generate` at once, on random ("dummy") weights of a real shape (llama-3-8b
+bf16 by default). The peer is transformers' `generate` (eager, SDPA, greedy) on the same weights, at each of
+`--hf-batch-sizes` (one batch each); its best rate is the one compared. Prints a table; `--out` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flashpage bench throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b", help="a preset for dummy weights (or a model path)")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    from flashpage import LLM, SamplingParams
+
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(llm.config.vocab_size, (args.num_prompts, args.input_len), generator=gen)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": r} for r in prompts[:8].tolist()], params, use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert generated == args.num_prompts * args.output_len
+    r = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
+         "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
+         "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_output_tok_s": generated / elapsed,
+         "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {}}
+
+    sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+    if sizes:
+        from flashpage.bench.peers import to_transformers
+
+        hf = to_transformers(llm.engine.runner.model)
+        del llm.engine.runner.kv_caches  # give transformers the memory (the flashpage engine is done)
+        torch.cuda.empty_cache()
+        for bs in sizes:
+            batch = prompts[:bs].cuda()
+            try:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    hf.generate(batch, max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False)
+                torch.cuda.synchronize()
+                r["transformers"][bs] = bs * args.output_len / (time.perf_counter() - t)
+            except torch.OutOfMemoryError:
+                r["transformers"][bs] = None
+            torch.cuda.empty_cache()
+    report(r)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(r, indent=2))
+    return 0
+
+
+def report(r: dict) -> None:
+    print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}, {r['num_prompts']} requests x ({r['input_len']} in, "
+          f"{r['output_len']} out)")
+    ours = r["flashpage_output_tok_s"]
+    print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total tok/s")
+    for bs, rate in r["transformers"].items():
+        shown = "out of memory" if rate is None else f"{rate:,.0f} output tok/s -> flashpage is {ours / rate:.1f}x"
+        print(f"transformers generate, batch {bs}: {shown}")
+    best = max((v for v in r["transformers"].values() if v), default=None)
+    if best:
+        print(f"flashpage / best transformers batch: {ours / best:.1f}x")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Fused Triton kernels (RMSNorm+residual, SiLU-mul, RoPE+cache write, penalties, sampling) against their
+references, through the interpreter on CPU. Fresh random inputs, awkward sizes, outputs poisoned first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE, chi2_limit, rel_err
+from flashpage.kernels import reference as ref
+from flashpage.kernels import triton_ops as tri
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (5, 576), (3, 1000)])
+def test_rms_norm_with_and_without_residual(tokens, hidden, dtype):
+    x, res, w = rand(tokens, hidden, dtype=dtype), rand(tokens, hidden, dtype=dtype), rand(hidden, dtype=dtype)
+    out, h = tri.rms_norm(x, w, 1e-5, res)
+    want_out, want_h = ref.rms_norm(x, w, 1e-5, res)
+    if dtype == torch.bfloat16:  # the interpreter rounds to bfloat16 by truncation; the GPU to nearest
+        assert rel_err(h, want_h) < 1e-2
+    else:
+        assert torch.equal(h, want_h)  # the add rounds exactly like torch's
+    assert rel_err(out, want_out) < (1e-6 if dtype == torch.float32 else 1e-2)
+    out, h = tri.rms_norm(x, w, 1e-5)
+    assert h is x and rel_err(out, ref.rms_norm(x.double(), w.double(), 1e-5)[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert tri.rms_norm(x[:0], w, 1e-5)[0].shape == (0, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 8), (7, 1536), (2, 1500)])
+def test_silu_and_mul(tokens, inter, dtype):
+    x = rand(tokens, 2 * inter, dtype=dtype) * 3
+    out = tri.silu_and_mul(x)
+    assert rel_err(out, ref.silu_and_mul(x)) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(out, ref.silu_and_mul(x.double())) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 80), (4, 1, 128)])
+def test_rope_and_cache(hq, hkv, dim, dtype):
+    tokens, page, blocks = 6, 8, 5
+    qkv = rand(tokens, (hq + 2 * hkv) * dim, dtype=dtype)  # q/k/v as views of one fused projection, like the model
+    q, k, v = (t.view(tokens, h, dim) for t, h in zip(qkv.split([hq * dim, hkv * dim, hkv * dim], -1), (hq, hkv, hkv)))
+    angles = torch.rand(tokens, dim // 2, device=DEVICE) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    want_q, want_k = ref.rope_and_cache(q.double(), k.double(), cos.double(), sin.double())
+    k_cache = torch.full((blocks, page, hkv, dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    slots = torch.tensor([3, 39, -1, 8, 0, 20], device=DEVICE)
+    v_before, q_before, k_before = v.clone(), q.clone(), k.clone()
+    got_q, got_k = tri.rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, slots)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert got_q.data_ptr() == q.data_ptr() and rel_err(got_q, want_q) < tol and rel_err(got_k, want_k) < tol
+    assert torch.equal(v, v_before)
+    flat_k, flat_v = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], got_k[keep]) and torch.equal(flat_v[slots[keep]], v[keep])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[keep]] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+    q2, k2 = tri.rope_and_cache(q_before, k_before, cos, sin)  # without a cache
+    assert torch.equal(q2, got_q) and torch.equal(k2, got_k)
+
+
+def test_penalties():
+    vocab = 50
+    logits = rand(3, vocab)
+    rows = torch.tensor([0, 0, 0, 2, 2], dtype=torch.int32, device=DEVICE)
+    tokens = torch.tensor([4, 7, 49, 0, 7], device=DEVICE)
+    counts = torch.tensor([0, 3, 1, 2, 0], dtype=torch.int32, device=DEVICE)
+    rep, pres, freq = (torch.tensor(v, device=DEVICE) for v in ([1.3, 1.0, 0.7], [0.5, 0.0, -0.2], [0.25, 0.0, 0.1]))
+    want = logits.clone()
+    for r, t, c in zip(rows.tolist(), tokens.tolist(), counts.tolist()):  # the definition, entry by entry
+        x = want[r, t]
+        x = x / rep[r] if x > 0 else x * rep[r]
+        want[r, t] = x - pres[r] * (c > 0) - freq[r] * c
+    got = logits.clone()
+    tri.apply_penalties(got, rows, tokens, counts, rep, pres, freq)
+    assert torch.allclose(got, want, atol=1e-6)
+    got = logits.clone()
+    ref.apply_penalties(got, rows, tokens, counts, rep, pres, freq)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def sampling_args(batch, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, vocab=None, seed=0):
+    full = lambda v, dt: torch.full((batch,), v, dtype=dt, device=DEVICE)  # noqa: E731
+    seeds = torch.arange(batch, dtype=torch.int64, device=DEVICE) * 7919 + seed
+    return (full(temperature, torch.float32), full(top_k or vocab, torch.int32), full(top_p, torch.float32),
+            full(min_p, torch.float32), seeds)
+
+
+def test_sample_greedy_and_top_k_1_take_the_first_maximum():
+    logits = rand(5, 300)
+    logits[1, 10] = logits[1, 250] = logits[1].max() + 1  # a tie: the first one wins, as torch.argmax
+    want = logits.argmax(-1)
+    assert torch.equal(tri.sample(logits, *sampling_args(5, temperature=0.0, vocab=300)), want)
+    assert torch.equal(tri.sample(logits, *sampling_args(5, top_k=1, vocab=300)), want)
+    assert torch.equal(ref.sample(logits, *sampling_args(5, temperature=0.0, vocab=300)), want)
+    assert tri.sample(logits[:0], *sampling_args(0, vocab=300)).shape == (0,)
+
+
+def test_sample_seeds_decide_rows_independently():
+    logits = rand(1, 97).expand(6, 97).contiguous()
+    args = sampling_args(6, vocab=97)
+    a = tri.sample(logits, *args)
+    b = tri.sample(logits[2:3], *(x[2:3] for x in args))
+    assert a[2] == b[0] and torch.equal(a, tri.sample(logits, *args))
+
+
+# The interpreter runs one program in 30-200 ms, so on CPU fewer draws and cases; on a GPU all five with 20k draws.
+CASES = [dict(temperature=0.7), dict(top_k=8, top_p=0.8, min_p=0.05, temperature=0.9)]
+if DEVICE == "cuda":
+    CASES += [dict(top_k=5), dict(top_p=0.6, temperature=1.3), dict(min_p=0.2)]
+
+
+@pytest.mark.parametrize("kw", CASES)
+def test_sample_matches_the_filtered_distribution(kw):
+    """Chi-square of many draws (one seed each) against the exact filtered softmax, at the 99.9% level."""
+    vocab = 12
+    draws = 20000 if DEVICE == "cuda" else (800 if len(kw) == 1 else 250)
+    row = torch.randn(vocab, device=DEVICE) * 1.5
+    logits = row.expand(draws, vocab).contiguous()
+    args = sampling_args(draws, vocab=vocab, seed=int(torch.randint(1 << 30, ())), **kw)
+    probs = ref.filter_probs(torch.softmax(row[None] / kw.get("temperature", 1.0), -1), *(a[:1] for a in args[1:4]))[0]
+    probs = (probs / probs.sum()).cpu().double()
+    got = torch.bincount(tri.sample(logits, *args), minlength=vocab).cpu().double()
+    kept = probs > 0
+    assert got[~kept].sum() == 0, "sampled a filtered-out token"
+    expected = probs[kept] * draws
+    assert ((got[kept] - expected) ** 2 / expected).sum().item() <= chi2_limit(int(kept.sum()) - 1)
