@@ -2,7 +2,8 @@
 
 On random ("dummy") weights of a real shape (llama-3-8b bf16 by default), in one process:
 1. engine start to first token (load, KV cache, CUDA graph capture, one request);
-2. the device's copy bandwidth, hence the weight-streaming floor: weight bytes / copy rate per decode step;
+2. the device's copy bandwidth, hence the weight-streaming floor: weight bytes / copy rate per decode step, and
+   the time of the step's matrix products alone (cuBLAS, one CUDA graph): what the rest of the step adds;
 3. flashpage: per-token decode time of `--batch-size` prompts of `--input-len` random tokens;
 4. a gpt-fast-style compiled PyTorch loop (static cache, torch.compile reduce-overhead) on the same weights;
 5. transformers' `generate` (eager, SDPA) on the same weights;
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import copy_bandwidth_tbs
+from flashpage.bench.common import copy_bandwidth_tbs, median_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     model = llm.engine.runner.model
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     bw = copy_bandwidth_tbs()
-    results.update(weight_bytes=weight_bytes, copy_tbs=bw, floor_ms=weight_bytes / (bw * 1e12) * 1e3)
+    results.update(weight_bytes=weight_bytes, copy_tbs=bw, floor_ms=weight_bytes / (bw * 1e12) * 1e3,
+                   matmuls_only_ms=matmuls_ms(model, args.batch_size))
 
     prompts = torch.randint(vocab, (args.batch_size, args.input_len), generator=gen)
 
@@ -113,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def matmuls_ms(model, batch: int) -> float:
+    """One decode step's matrix products and nothing else: every projection and the LM head at `batch` rows."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
+    return median_ms(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights])
+
+
 def greedy_check(llm, hf, vocab: int, gen: torch.Generator, lengths=(5, 37, 128, 511), n: int = 16) -> list[dict]:
     """flashpage's greedy tokens against transformers'; where they differ, the reference's top-2 logit margin
     at the first differing step (a small margin means bf16 rounding chose, not a bug)."""
@@ -142,6 +152,7 @@ def report(r: dict) -> None:
           f"tokens, {r['output_len']} generated")
     print(f"engine start to first token: {r['start_to_first_token_s']:.1f} s")
     print(f"copy bandwidth {r['copy_tbs']:.2f} TB/s; weights {r['weight_bytes'] / 1e9:.2f} GB -> floor {floor:.2f} ms/token")
+    print(f"the step's matrix products alone (cuBLAS, one graph): {r['matmuls_only_ms']:.2f} ms = {floor / r['matmuls_only_ms']:.1%} of floor")
     print(f"{'system':<28}{'ms/token':>10}{'tok/s':>10}{'floor/ms':>10}{'flashpage x':>13}")
     ours = r["flashpage_ms_per_token"]
     for name, key in [("flashpage", "flashpage_ms_per_token"), ("gpt-fast style (compiled)", "gpt_fast_ms_per_token"),

@@ -24,25 +24,27 @@ def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, v
     base = Logits + row * stride_l
     offs = tl.arange(0, BLOCK)
     # Pass 1: the maximum (and where it first occurs: the greedy token).
-    best = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int32)
+    # Per lane: its maximum and first position; one reduction at the end (ties go to the lowest index).
+    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_i = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, vocab, BLOCK):
         x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        i = tl.argmax(x, 0).to(tl.int32) + start
-        take = m > best
-        best_i = tl.where(take, i, best_i)
-        best = tl.where(take, m, best)
+        take = x > lane_max
+        lane_i = tl.where(take, start + offs, lane_i)
+        lane_max = tl.where(take, x, lane_max)
+    best = tl.max(lane_max, 0)
+    best_i = tl.min(tl.where(lane_max == best, lane_i, vocab), 0)
     temperature = tl.load(Temperature + row)
     if temperature == 0.0:
         tl.store(Out + row, best_i.to(tl.int64))
     else:
         inv_t = 1.0 / temperature
         # e_i = exp((x_i - max) / T) is p_i up to the normaliser `total`; the most likely token has e = 1.
-        total = tl.zeros((), tl.float32)
+        total = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, vocab, BLOCK):
             x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
-            total += tl.sum(tl.exp((x - best) * inv_t), 0)
+            total += tl.exp((x - best) * inv_t)
+        total = tl.sum(total, 0)
         top_k = tl.load(TopK + row)
         top_p = tl.load(TopP + row)
         threshold = tl.load(MinP + row)  # min_p: e >= min_p * max e
@@ -59,14 +61,16 @@ def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, v
                 p_cuts = p_lo + ((p_hi - p_lo).to(tl.int64) * cut // 16).to(tl.int32)
                 k_t = k_cuts.to(tl.float32, bitcast=True)[:, None]
                 p_t = p_cuts.to(tl.float32, bitcast=True)[:, None]
-                count = tl.zeros((16,), tl.int32)
-                mass = tl.zeros((16,), tl.float32)
+                count = tl.zeros((16, SEARCH_BLOCK), tl.int32)  # reduced once per pass, not per tile
+                mass = tl.zeros((16, SEARCH_BLOCK), tl.float32)
                 for start in range(0, vocab, SEARCH_BLOCK):
                     idx = start + tl.arange(0, SEARCH_BLOCK)
                     x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
                     e = tl.exp((x - best) * inv_t)[None, :]
-                    count += tl.sum((e >= k_t).to(tl.int32), 1)
-                    mass += tl.sum(tl.where(e >= p_t, e, 0.0), 1)
+                    count += (e >= k_t).to(tl.int32)
+                    mass += tl.where(e >= p_t, e, 0.0)
+                count = tl.sum(count, 1)
+                mass = tl.sum(mass, 1)
                 # The conditions hold for a prefix of the cuts: lo moves to the last passing cut, hi to the next.
                 k_last = tl.max(tl.where(count >= top_k, cut, 0), 0)
                 p_last = tl.max(tl.where(mass >= top_p * total, cut, 0), 0)
@@ -79,8 +83,8 @@ def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, v
         threshold = tl.minimum(threshold, 1.0)  # the most likely token always survives
         # The race: maximise log e_i - log E_i over kept tokens.
         seed = tl.load(Seed + row)
-        win = tl.full((), float("-inf"), tl.float32)
-        win_i = best_i
+        lane_win = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lane_i = tl.zeros((BLOCK,), tl.int32) + best_i
         for start in range(0, vocab, BLOCK):
             idx = start + offs
             x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
@@ -88,12 +92,11 @@ def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, v
             u = tl.rand(seed, idx)
             score = z - tl.log(-tl.log(u))
             score = tl.where((tl.exp(z) >= threshold) & (idx < vocab), score, float("-inf"))
-            m = tl.max(score, 0)
-            i = tl.argmax(score, 0).to(tl.int32) + start
-            take = m > win
-            win_i = tl.where(take, i, win_i)
-            win = tl.where(take, m, win)
-        tl.store(Out + row, win_i.to(tl.int64))
+            take = score > lane_win
+            lane_i = tl.where(take, idx, lane_i)
+            lane_win = tl.where(take, score, lane_win)
+        win = tl.max(lane_win, 0)
+        tl.store(Out + row, tl.min(tl.where(lane_win == win, lane_i, vocab), 0).to(tl.int64))
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds):
@@ -103,8 +106,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds):
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch:
         _sample_kernel[(batch,)](logits, out, temperature, top_k, top_p, min_p, seeds, logits.stride(0), vocab,
-                                 BLOCK=min(triton.next_power_of_2(vocab), 4096),
-                                 SEARCH_BLOCK=min(triton.next_power_of_2(vocab), 512), num_warps=8)
+                                 BLOCK=min(triton.next_power_of_2(vocab), 2048),
+                                 SEARCH_BLOCK=min(triton.next_power_of_2(vocab), 256), num_warps=8)
     return out
 
 
