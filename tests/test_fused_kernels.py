@@ -99,18 +99,20 @@ def test_sample_greedy_and_top_k_1_take_the_first_maximum():
     logits = rand(5, 300)
     logits[1, 10] = logits[1, 250] = logits[1].max() + 1  # a tie: the first one wins, as torch.argmax
     want = logits.argmax(-1)
-    assert torch.equal(tri.sample(logits, *sampling_args(5, temperature=0.0, vocab=300)), want)
-    assert torch.equal(tri.sample(logits, *sampling_args(5, top_k=1, vocab=300)), want)
-    assert torch.equal(ref.sample(logits, *sampling_args(5, temperature=0.0, vocab=300)), want)
-    assert tri.sample(logits[:0], *sampling_args(0, vocab=300)).shape == (0,)
+    want_lp = torch.log_softmax(logits.double(), -1).gather(-1, want[:, None])[:, 0]
+    for impl, kw in [(tri, dict(temperature=0.0)), (tri, dict(top_k=1)), (ref, dict(temperature=0.0))]:
+        tokens, logprobs = impl.sample(logits, *sampling_args(5, vocab=300, **kw))
+        assert torch.equal(tokens, want) and rel_err(logprobs, want_lp) < 1e-6
+    assert tri.sample(logits[:0], *sampling_args(0, vocab=300))[0].shape == (0,)
 
 
 def test_sample_seeds_decide_rows_independently():
     logits = rand(1, 97).expand(6, 97).contiguous()
     args = sampling_args(6, vocab=97)
-    a = tri.sample(logits, *args)
-    b = tri.sample(logits[2:3], *(x[2:3] for x in args))
-    assert a[2] == b[0] and torch.equal(a, tri.sample(logits, *args))
+    a, lp = tri.sample(logits, *args)
+    b = tri.sample(logits[2:3], *(x[2:3] for x in args))[0]
+    assert a[2] == b[0] and torch.equal(a, tri.sample(logits, *args)[0])
+    assert rel_err(lp, torch.log_softmax(logits.double(), -1).gather(-1, a[:, None])[:, 0]) < 1e-6
 
 
 # The interpreter runs one program in 30-200 ms, so on CPU fewer draws and cases; on a GPU all five with 20k draws.
@@ -129,7 +131,7 @@ def test_sample_matches_the_filtered_distribution(kw):
     args = sampling_args(draws, vocab=vocab, seed=int(torch.randint(1 << 30, ())), **kw)
     probs = ref.filter_probs(torch.softmax(row[None] / kw.get("temperature", 1.0), -1), *(a[:1] for a in args[1:4]))[0]
     probs = (probs / probs.sum()).cpu().double()
-    got = torch.bincount(tri.sample(logits, *args), minlength=vocab).cpu().double()
+    got = torch.bincount(tri.sample(logits, *args)[0], minlength=vocab).cpu().double()
     kept = probs > 0
     assert got[~kept].sum() == 0, "sampled a filtered-out token"
     expected = probs[kept] * draws

@@ -50,7 +50,8 @@ def torch_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, slots):
 
 def torch_sample(logits, temperature, top_k, top_p, min_p, seeds):
     probs = ref.filter_probs(torch.softmax(logits / temperature[:, None], dim=-1), top_k, top_p, min_p)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    tokens = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+    return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,26 +41,37 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], stop_ids: list
     """logits [B, V] float32 (modified in place). stop_ids[i]: tokens row i may not pick yet (min_tokens)."""
     dev, vocab = logits.device, logits.shape[-1]
     masked = [(i, t) for i, ids in enumerate(stop_ids) for t in ids]
+    params = [r.params for r in rows]
+    k = max((p.logprobs for p in params if p.logprobs), default=0)
     # Log-probabilities are reported under the raw distribution: taken before penalties and masks change it.
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if masked or any(r.params.uses_penalties for r in rows) else None
+    # Otherwise the chosen tokens' own come with them, and a full log-softmax is only for top-k.
+    changed = bool(masked) or any(p.uses_penalties for p in params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if changed or k else None
     _penalise(ops, logits, rows)
     if masked:
         logits[upload([i for i, _ in masked], torch.int64, dev), upload([t for _, t in masked], torch.int64, dev)] = float("-inf")
+    if all(p.greedy for p in params):
+        # torch's argmax and logsumexp spread a row over many blocks; the sampling kernel gives a row one program,
+        # which only pays when there is something to draw (measured: 58 us vs about 15 us for one 128k row)
+        tokens = logits.argmax(dim=-1)
+        chosen = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    else:
+        tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev))
+    if changed:
+        chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
+    top = raw_logprobs.topk(k, dim=-1) if k else None
+    return Sampled(tokens, chosen, top.indices if top else None, top.values if top else None)
+
+
+def _sampling_tensors(rows: list[SampleRow], vocab: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
     params = [r.params for r in rows]
-    tokens = ops.sample(
-        logits,
+    return (
         upload([p.temperature for p in params], torch.float32, dev),
         upload([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int32, dev),
         upload([p.top_p for p in params], torch.float32, dev),
         upload([p.min_p for p in params], torch.float32, dev),
         upload([r.seed for r in rows], torch.int64, dev),
     )
-    if raw_logprobs is None:
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
-    k = max((p.logprobs for p in params if p.logprobs), default=0)
-    top = raw_logprobs.topk(k, dim=-1) if k else None
-    return Sampled(tokens, chosen, top.indices if top else None, top.values if top else None)
 
 
 def _penalise(ops, logits: torch.Tensor, rows: list[SampleRow]) -> None:

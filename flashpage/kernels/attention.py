@@ -268,11 +268,12 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:
-    """Enough programs for about two waves of SMs, each keeping at least 512 keys; a power of two up to 32."""
+    """Enough programs for about two waves of SMs, each keeping at least 64 keys (one tile); a power of two up
+    to 32. Few long programs leave most SMs idle: one program streams a few hundred GB/s at best."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 512, 32)
+    want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 64, 32)
     return 1 if want <= 1 else triton.next_power_of_2(want)
 
 

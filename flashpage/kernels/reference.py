@@ -97,16 +97,16 @@ def filter_probs(probs, top_k, top_p, min_p):
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds):
-    greedy = logits.argmax(dim=-1)
     is_greedy = temperature == 0
-    if bool(is_greedy.all()):
-        return greedy
-    probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None], dim=-1)
-    probs = filter_probs(probs, top_k, top_p, min_p)
-    # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one generator per row seeded by its seed.
-    noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=torch.Generator(logits.device).manual_seed(s))
-                         for s in seeds.tolist()])
-    return torch.where(is_greedy, greedy, (probs / noise).argmax(dim=-1))
+    tokens = logits.argmax(dim=-1)
+    if not bool(is_greedy.all()):
+        probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None], dim=-1)
+        probs = filter_probs(probs, top_k, top_p, min_p)
+        # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one generator per row seeded by its seed.
+        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=torch.Generator(logits.device).manual_seed(s))
+                             for s in seeds.tolist()])
+        tokens = torch.where(is_greedy, tokens, (probs / noise).argmax(dim=-1))
+    return tokens, torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 
 def apply_penalties(logits, rows, tokens, counts, repetition, presence, frequency):

@@ -18,7 +18,7 @@ _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 
 
 @triton.jit
-def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, vocab, BLOCK: tl.constexpr,
+def _sample_kernel(Logits, Out, OutLogprob, Temperature, TopK, TopP, MinP, Seed, stride_l, vocab, BLOCK: tl.constexpr,
                    SEARCH_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = Logits + row * stride_l
@@ -34,17 +34,19 @@ def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, v
         lane_max = tl.where(take, x, lane_max)
     best = tl.max(lane_max, 0)
     best_i = tl.min(tl.where(lane_max == best, lane_i, vocab), 0)
+    # Pass 2: the normalisers at temperature 1 (for the chosen token's log-probability) and at T.
     temperature = tl.load(Temperature + row)
-    if temperature == 0.0:
-        tl.store(Out + row, best_i.to(tl.int64))
-    else:
-        inv_t = 1.0 / temperature
-        # e_i = exp((x_i - max) / T) is p_i up to the normaliser `total`; the most likely token has e = 1.
-        total = tl.zeros((BLOCK,), tl.float32)
-        for start in range(0, vocab, BLOCK):
-            x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
-            total += tl.exp((x - best) * inv_t)
-        total = tl.sum(total, 0)
+    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
+    raw_total = tl.zeros((BLOCK,), tl.float32)
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
+        raw_total += tl.exp(x - best)
+        total += tl.exp((x - best) * inv_t)  # e_i = exp((x_i - max) / T): p_i up to `total`; the top token has e = 1
+    raw_total = tl.sum(raw_total, 0)
+    total = tl.sum(total, 0)
+    token = best_i
+    if temperature != 0.0:
         top_k = tl.load(TopK + row)
         top_p = tl.load(TopP + row)
         threshold = tl.load(MinP + row)  # min_p: e >= min_p * max e
@@ -96,19 +98,22 @@ def _sample_kernel(Logits, Out, Temperature, TopK, TopP, MinP, Seed, stride_l, v
             lane_i = tl.where(take, idx, lane_i)
             lane_win = tl.where(take, score, lane_win)
         win = tl.max(lane_win, 0)
-        tl.store(Out + row, tl.min(tl.where(lane_win == win, lane_i, vocab), 0).to(tl.int64))
+        token = tl.min(tl.where(lane_win == win, lane_i, vocab), 0)
+    tl.store(Out + row, token.to(tl.int64))
+    tl.store(OutLogprob + row, tl.load(base + token).to(tl.float32) - best - tl.log(raw_total))
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds):
-    """logits [B, V] -> token ids [B] int64. Per row: temperature (0 = greedy), top_k (>= V: off), top_p, min_p
-    (float32 tensors, top_k int32) and seeds (int64) for the random draw."""
+    """logits [B, V] -> (token ids [B] int64, their log-probabilities under softmax(logits) [B] float32). Per row:
+    temperature (0 = greedy), top_k (>= V: off), top_p, min_p (float32 tensors, top_k int32) and seeds (int64)."""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
     if batch:
-        _sample_kernel[(batch,)](logits, out, temperature, top_k, top_p, min_p, seeds, logits.stride(0), vocab,
+        _sample_kernel[(batch,)](logits, out, logprobs, temperature, top_k, top_p, min_p, seeds, logits.stride(0), vocab,
                                  BLOCK=min(triton.next_power_of_2(vocab), 2048),
                                  SEARCH_BLOCK=min(triton.next_power_of_2(vocab), 256), num_warps=8)
-    return out
+    return out, logprobs
 
 
 @triton.jit
