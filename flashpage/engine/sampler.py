@@ -56,7 +56,8 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], stop_ids: list
         tokens = logits.argmax(dim=-1)
         chosen = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     else:
-        tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev))
+        tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev),
+                                    filtered=any(0 < p.top_k < vocab or p.top_p < 1 for p in params))
     if changed:
         chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
     top = raw_logprobs.topk(k, dim=-1) if k else None

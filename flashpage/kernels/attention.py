@@ -272,11 +272,12 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k
     to 32. Few long programs leave most SMs idle: one program streams a few hundred GB/s at best."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 64, 32)
     return 1 if want <= 1 else triton.next_power_of_2(want)
 
 
 @functools.lru_cache
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query is slow)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -96,7 +96,7 @@ def filter_probs(probs, top_k, top_p, min_p):
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered=True):
     is_greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
     if not bool(is_greedy.all()):

@@ -1,11 +1,18 @@
-"""Sampling on the device: penalties, then temperature, top-k / top-p / min-p and a seeded draw, one program per row.
+"""Sampling on the device: penalties, then temperature, top-k / top-p / min-p and a seeded draw.
 
-No sort: the kept set is {p >= threshold}, where the top-k and top-p thresholds are found by bisection over the
-bit patterns of float32 probabilities (monotone for non-negative floats), 15 cut points per pass, so eight
-passes over the row find them exactly. The
-draw is an exponential race, argmax over kept tokens of p_i / E_i with E_i ~ Exp(1), which samples from the
-kept, renormalised distribution; E_i comes from Philox keyed by the row's seed and the token id, so a seeded row
-does not depend on its neighbours. Temperature 0 is greedy (first maximum, as torch.argmax).
+Each row is cut into chunks, one program per (row, chunk), so that one long row (a batch of one, 128k logits)
+still spreads over the GPU. Launches, all without a host sync:
+1. `_chunk_stats`: each chunk's maximum (and where it first occurs), and its sums of exp(x - max) at temperature 1
+   and at T. Whoever needs the row's maximum or normalisers combines the chunks' (a few dozen numbers).
+2. `_search_pass` x 8, only when some row uses top-k or top-p. No sort: the kept set is {e >= threshold} with
+   e = exp((x - max) / T) in (0, 1], and the top-k and top-p thresholds are found by bisection over the bit
+   patterns of float32 e (monotone for non-negative floats). Each pass tests 15 cut points, so eight passes find
+   them exactly; each reads the previous pass's per-chunk counts and masses, and writes its own.
+3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
+   keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours). This samples the
+   kept, renormalised distribution.
+4. `_finish`: per row, the winning chunk (ties: lowest token id; temperature 0: the first maximum, as
+   torch.argmax) and the chosen token's log-probability under softmax(logits).
 """
 
 from __future__ import annotations
@@ -14,105 +21,204 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.attention import sm_count
+
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
+_CUTS = tl.constexpr(16)  # cut points per search pass (cut 0 is the current lower bound)
+_SEARCH_PASSES = 8  # 16 ** 8 > 2 ** 30 + 1: the bit patterns of [0, 1]
 
 
 @triton.jit
-def _sample_kernel(Logits, Out, OutLogprob, Temperature, TopK, TopP, MinP, Seed, stride_l, vocab, BLOCK: tl.constexpr,
-                   SEARCH_BLOCK: tl.constexpr):
+def _row_summary(Stats, row, S: tl.constexpr, inv_t):
+    """From the chunks' stats: the row's maximum, its first position, and the normalisers at 1 and at T."""
+    c = tl.arange(0, S)
+    base = Stats + (row * S + c) * 4
+    m = tl.load(base)
+    best = tl.max(m, 0)
+    first = tl.min(tl.where(m == best, tl.load(base + 1), 2**31 - 1), 0).to(tl.int32)
+    raw_total = tl.sum(tl.load(base + 2) * tl.exp(m - best), 0)
+    total = tl.sum(tl.load(base + 3) * tl.exp((m - best) * inv_t), 0)
+    return best, first, raw_total, total
+
+
+@triton.jit
+def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     base = Logits + row * stride_l
+    t = tl.load(Temperature + row)
+    inv_t = 1.0 / tl.where(t == 0.0, 1.0, t)
+    start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
     offs = tl.arange(0, BLOCK)
-    # Pass 1: the maximum (and where it first occurs: the greedy token).
-    # Per lane: its maximum and first position; one reduction at the end (ties go to the lowest index).
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_i = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
+    for i in range(start, end, BLOCK):
+        x = tl.load(base + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
         take = x > lane_max
-        lane_i = tl.where(take, start + offs, lane_i)
+        lane_i = tl.where(take, i + offs, lane_i)
         lane_max = tl.where(take, x, lane_max)
-    best = tl.max(lane_max, 0)
-    best_i = tl.min(tl.where(lane_max == best, lane_i, vocab), 0)
-    # Pass 2: the normalisers at temperature 1 (for the chosen token's log-probability) and at T.
-    temperature = tl.load(Temperature + row)
-    inv_t = 1.0 / tl.where(temperature == 0.0, 1.0, temperature)
-    raw_total = tl.zeros((BLOCK,), tl.float32)
-    total = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < vocab, other=float("-inf")).to(tl.float32)
-        raw_total += tl.exp(x - best)
-        total += tl.exp((x - best) * inv_t)  # e_i = exp((x_i - max) / T): p_i up to `total`; the top token has e = 1
-    raw_total = tl.sum(raw_total, 0)
-    total = tl.sum(total, 0)
-    token = best_i
-    if temperature != 0.0:
+    m = tl.max(lane_max, 0)
+    first = tl.min(tl.where(lane_max == m, lane_i, 2**31 - 1), 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # an empty chunk (past the vocabulary) sums to 0, not NaN
+    raw = tl.zeros((BLOCK,), tl.float32)
+    scaled = tl.zeros((BLOCK,), tl.float32)
+    for i in range(start, end, BLOCK):
+        x = tl.load(base + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
+        raw += tl.exp(x - m)
+        scaled += tl.exp((x - m) * inv_t)
+    out = Stats + (row * S + c) * 4
+    tl.store(out, tl.where(first == 2**31 - 1, float("-inf"), m))
+    tl.store(out + 1, first.to(tl.float32))  # exact: token ids < 2 ** 24
+    tl.store(out + 2, tl.sum(raw, 0))
+    tl.store(out + 3, tl.sum(scaled, 0))
+
+
+@triton.jit
+def _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, S: tl.constexpr):
+    """The search bounds after pass `it` - 1: [lo, hi) for the top-k and the top-p threshold bits. Every program
+    derives them alike from the previous pass's per-chunk results (a program of pass 0 starts them)."""
+    cut = tl.arange(0, _CUTS)
+    k_lo = tl.full((), 0, tl.int32)
+    k_hi = tl.full((), _ONE_BITS + 1, tl.int32)
+    p_lo = tl.full((), 0, tl.int32)
+    p_hi = tl.full((), _ONE_BITS + 1, tl.int32)
+    if it > 0:
+        prev = Bounds + (((it - 1) % 2) * tl.num_programs(0) + row) * 4
+        k_lo, k_hi, p_lo, p_hi = tl.load(prev), tl.load(prev + 1), tl.load(prev + 2), tl.load(prev + 3)
+        k_cuts = k_lo + ((k_hi - k_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)
+        p_cuts = p_lo + ((p_hi - p_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)
+        part = (((it - 1) % 2) * tl.num_programs(0) + row) * S * _CUTS + tl.arange(0, S)[:, None] * _CUTS + cut[None, :]
+        count = tl.sum(tl.load(Counts + part), 0)
+        mass = tl.sum(tl.load(Mass + part), 0)
+        # The conditions hold for a prefix of the cuts: lo moves to the last passing cut, hi to the next one.
+        k_last = tl.max(tl.where(count >= top_k, cut, 0), 0)
+        p_last = tl.max(tl.where(mass >= top_p * total, cut, 0), 0)
+        k_hi = tl.where(k_last == _CUTS - 1, k_hi, tl.sum(tl.where(cut == k_last + 1, k_cuts, 0), 0))
+        p_hi = tl.where(p_last == _CUTS - 1, p_hi, tl.sum(tl.where(cut == p_last + 1, p_cuts, 0), 0))
+        k_lo = tl.sum(tl.where(cut == k_last, k_cuts, 0), 0)
+        p_lo = tl.sum(tl.where(cut == p_last, p_cuts, 0), 0)
+    return k_lo, k_hi, p_lo, p_hi
+
+
+@triton.jit
+def _search_pass(Logits, Temperature, TopK, TopP, Stats, Bounds, Counts, Mass, stride_l, vocab, chunk, it,
+                 S: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t = tl.load(Temperature + row)
+    top_k = tl.load(TopK + row)
+    top_p = tl.load(TopP + row)
+    if (t != 0.0) & ((top_k < vocab) | (top_p < 1.0)):
+        inv_t = 1.0 / t
+        best, _, _, total = _row_summary(Stats, row, S, inv_t)
+        k_lo, k_hi, p_lo, p_hi = _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, S)
+        if c == 0:  # for the next pass (the bounds of pass it - 1 are still being read: two slots)
+            out = Bounds + ((it % 2) * tl.num_programs(0) + row) * 4
+            tl.store(out, k_lo)
+            tl.store(out + 1, k_hi)
+            tl.store(out + 2, p_lo)
+            tl.store(out + 3, p_hi)
+        cut = tl.arange(0, _CUTS)
+        k_t = (k_lo + ((k_hi - k_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)).to(tl.float32, bitcast=True)[:, None]
+        p_t = (p_lo + ((p_hi - p_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)).to(tl.float32, bitcast=True)[:, None]
+        start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
+        offs = tl.arange(0, BLOCK)
+        count = tl.zeros((_CUTS, BLOCK), tl.int32)  # reduced once, not per tile
+        mass = tl.zeros((_CUTS, BLOCK), tl.float32)
+        for i in range(start, end, BLOCK):
+            x = tl.load(Logits + row * stride_l + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
+            e = tl.exp((x - best) * inv_t)[None, :]
+            count += (e >= k_t).to(tl.int32)
+            mass += tl.where(e >= p_t, e, 0.0)
+        part = ((it % 2) * tl.num_programs(0) + row) * S * _CUTS + c * _CUTS + cut
+        tl.store(Counts + part, tl.sum(count, 1))
+        tl.store(Mass + part, tl.sum(mass, 1))
+
+
+@triton.jit
+def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Mass, Winners, stride_l, vocab, chunk,
+          SEARCHED: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    t = tl.load(Temperature + row)
+    if t != 0.0:
+        inv_t = 1.0 / t
+        best, _, _, total = _row_summary(Stats, row, S, inv_t)
         top_k = tl.load(TopK + row)
         top_p = tl.load(TopP + row)
         threshold = tl.load(MinP + row)  # min_p: e >= min_p * max e
-        if (top_k < vocab) | (top_p < 1.0):
-            # Largest e-threshold keeping >= top_k tokens, and largest keeping >= top_p of the mass: a search
-            # over float bit patterns in [lo, hi), testing 15 cut points per pass (8 passes narrow 2^30 to 1).
-            cut = tl.arange(0, 16)
-            k_lo = tl.full((), 0, tl.int32)
-            k_hi = tl.full((), _ONE_BITS + 1, tl.int32)
-            p_lo = tl.full((), 0, tl.int32)
-            p_hi = tl.full((), _ONE_BITS + 1, tl.int32)
-            for _ in range(8):
-                k_cuts = k_lo + ((k_hi - k_lo).to(tl.int64) * cut // 16).to(tl.int32)  # cut 0 is lo: always ok
-                p_cuts = p_lo + ((p_hi - p_lo).to(tl.int64) * cut // 16).to(tl.int32)
-                k_t = k_cuts.to(tl.float32, bitcast=True)[:, None]
-                p_t = p_cuts.to(tl.float32, bitcast=True)[:, None]
-                count = tl.zeros((16, SEARCH_BLOCK), tl.int32)  # reduced once per pass, not per tile
-                mass = tl.zeros((16, SEARCH_BLOCK), tl.float32)
-                for start in range(0, vocab, SEARCH_BLOCK):
-                    idx = start + tl.arange(0, SEARCH_BLOCK)
-                    x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-                    e = tl.exp((x - best) * inv_t)[None, :]
-                    count += (e >= k_t).to(tl.int32)
-                    mass += tl.where(e >= p_t, e, 0.0)
-                count = tl.sum(count, 1)
-                mass = tl.sum(mass, 1)
-                # The conditions hold for a prefix of the cuts: lo moves to the last passing cut, hi to the next.
-                k_last = tl.max(tl.where(count >= top_k, cut, 0), 0)
-                p_last = tl.max(tl.where(mass >= top_p * total, cut, 0), 0)
-                k_hi = tl.where(k_last == 15, k_hi, tl.sum(tl.where(cut == k_last + 1, k_cuts, 0), 0))
-                p_hi = tl.where(p_last == 15, p_hi, tl.sum(tl.where(cut == p_last + 1, p_cuts, 0), 0))
-                k_lo = tl.sum(tl.where(cut == k_last, k_cuts, 0), 0)
-                p_lo = tl.sum(tl.where(cut == p_last, p_cuts, 0), 0)
-            threshold = tl.maximum(threshold, tl.maximum(k_lo.to(tl.float32, bitcast=True),
-                                                         p_lo.to(tl.float32, bitcast=True)))
+        if SEARCHED:
+            if (top_k < vocab) | (top_p < 1.0):
+                k_lo, _, p_lo, _ = _bounds(Bounds, Counts, Mass, row, _SEARCH_PASSES, top_k, top_p, total, S)
+                threshold = tl.maximum(threshold, tl.maximum(k_lo.to(tl.float32, bitcast=True),
+                                                             p_lo.to(tl.float32, bitcast=True)))
         threshold = tl.minimum(threshold, 1.0)  # the most likely token always survives
-        # The race: maximise log e_i - log E_i over kept tokens.
         seed = tl.load(Seed + row)
+        start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
+        offs = tl.arange(0, BLOCK)
         lane_win = tl.full((BLOCK,), float("-inf"), tl.float32)
-        lane_i = tl.zeros((BLOCK,), tl.int32) + best_i
-        for start in range(0, vocab, BLOCK):
-            idx = start + offs
-            x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        lane_i = tl.zeros((BLOCK,), tl.int32) + start
+        for i in range(start, end, BLOCK):
+            idx = i + offs
+            x = tl.load(Logits + row * stride_l + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
             z = (x - best) * inv_t
-            u = tl.rand(seed, idx)
-            score = z - tl.log(-tl.log(u))
-            score = tl.where((tl.exp(z) >= threshold) & (idx < vocab), score, float("-inf"))
+            score = z - tl.log(-tl.log(tl.rand(seed, idx)))  # maximise log e_i - log E_i
+            score = tl.where((tl.exp(z) >= threshold) & (idx < end), score, float("-inf"))
             take = score > lane_win
             lane_i = tl.where(take, idx, lane_i)
             lane_win = tl.where(take, score, lane_win)
         win = tl.max(lane_win, 0)
-        token = tl.min(tl.where(lane_win == win, lane_i, vocab), 0)
+        tl.store(Winners + (row * S + c) * 2, win)
+        tl.store(Winners + (row * S + c) * 2 + 1, tl.min(tl.where(lane_win == win, lane_i, 2**31 - 1), 0).to(tl.float32))
+
+
+@triton.jit
+def _finish(Logits, Temperature, Stats, Winners, Out, OutLogprob, stride_l, S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(Temperature + row)
+    best, token, raw_total, _ = _row_summary(Stats, row, S, 1.0)
+    if t != 0.0:
+        c = tl.arange(0, S)
+        score = tl.load(Winners + (row * S + c) * 2)
+        win = tl.max(score, 0)
+        # no kept token won anywhere only if every draw underflowed: then the most likely token
+        if win > float("-inf"):
+            token = tl.min(tl.where(score == win, tl.load(Winners + (row * S + c) * 2 + 1), 2**31 - 1), 0).to(tl.int32)
     tl.store(Out + row, token.to(tl.int64))
-    tl.store(OutLogprob + row, tl.load(base + token).to(tl.float32) - best - tl.log(raw_total))
+    tl.store(OutLogprob + row, tl.load(Logits + row * stride_l + token).to(tl.float32) - best - tl.log(raw_total))
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = True):
     """logits [B, V] -> (token ids [B] int64, their log-probabilities under softmax(logits) [B] float32). Per row:
-    temperature (0 = greedy), top_k (>= V: off), top_p, min_p (float32 tensors, top_k int32) and seeds (int64)."""
+    temperature (0 = greedy), top_k (>= V: off), top_p, min_p (float32 tensors, top_k int32) and seeds (int64).
+    filtered=False promises that no row uses top-k or top-p, which skips the threshold search."""
     batch, vocab = logits.shape
-    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    if batch:
-        _sample_kernel[(batch,)](logits, out, logprobs, temperature, top_k, top_p, min_p, seeds, logits.stride(0), vocab,
-                                 BLOCK=min(triton.next_power_of_2(vocab), 2048),
-                                 SEARCH_BLOCK=min(triton.next_power_of_2(vocab), 256), num_warps=8)
+    dev = logits.device
+    out = torch.empty(batch, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    if batch == 0:
+        return out, logprobs
+    block = min(triton.next_power_of_2(vocab), 1024)
+    # Chunks: about two programs per SM over the batch (the interpreter cuts small batches in two, which tests
+    # the merging without multiplying its slow programs on large ones).
+    want = triton.cdiv(2 * sm_count(dev.index or 0), batch) if dev.type == "cuda" else 2 if batch <= 16 else 1
+    chunks = min(triton.next_power_of_2(want), 64, triton.next_power_of_2(triton.cdiv(vocab, block)))
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
+    winners = torch.empty((batch, chunks, 2), dtype=torch.float32, device=dev)
+    grid = (batch, chunks)
+    _chunk_stats[grid](logits, temperature, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block)
+    bounds = counts = mass = stats  # unread without a search
+    if filtered:
+        bounds = torch.empty((2, batch, 4), dtype=torch.int32, device=dev)
+        counts = torch.empty((2, batch, chunks, 16), dtype=torch.int32, device=dev)
+        mass = torch.empty((2, batch, chunks, 16), dtype=torch.float32, device=dev)
+        for it in range(_SEARCH_PASSES):
+            _search_pass[grid](logits, temperature, top_k, top_p, stats, bounds, counts, mass, logits.stride(0), vocab,
+                               chunk, it, S=chunks, BLOCK=min(block, 256))
+    _race[grid](logits, temperature, top_k, top_p, min_p, seeds, stats, bounds, counts, mass, winners,
+                logits.stride(0), vocab, chunk, SEARCHED=filtered, S=chunks, BLOCK=block)
+    _finish[(batch,)](logits, temperature, stats, winners, out, logprobs, logits.stride(0), S=chunks)
     return out, logprobs
 
 
