@@ -25,7 +25,7 @@ from flashpage.kernels.attention import sm_count
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 _CUTS = tl.constexpr(16)  # cut points per search pass (cut 0 is the current lower bound)
-_SEARCH_PASSES = 8  # 16 ** 8 > 2 ** 30 + 1: the bit patterns of [0, 1]
+_SEARCH_PASSES = tl.constexpr(8)  # 16 ** 8 > 2 ** 30 + 1: the bit patterns of [0, 1]
 
 
 @triton.jit
