@@ -143,13 +143,14 @@ def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Ma
     t = tl.load(Temperature + row)
     if t != 0.0:
         inv_t = 1.0 / t
-        best, _, _, total = _row_summary(Stats, row, S, inv_t)
+        best, first, raw_total, total = _row_summary(Stats, row, S, inv_t)
         top_k = tl.load(TopK + row)
         top_p = tl.load(TopP + row)
         threshold = tl.load(MinP + row)  # min_p: e >= min_p * max e
         if SEARCHED:
             if (top_k < vocab) | (top_p < 1.0):
-                k_lo, _, p_lo, _ = _bounds(Bounds, Counts, Mass, row, _SEARCH_PASSES, top_k, top_p, total, S)
+                # (names, not `_`: the GPU compiler gives a name one type across both sides of a runtime if)
+                k_lo, k_hi, p_lo, p_hi = _bounds(Bounds, Counts, Mass, row, _SEARCH_PASSES, top_k, top_p, total, S)
                 threshold = tl.maximum(threshold, tl.maximum(k_lo.to(tl.float32, bitcast=True),
                                                              p_lo.to(tl.float32, bitcast=True)))
         threshold = tl.minimum(threshold, 1.0)  # the most likely token always survives

@@ -1,0 +1,90 @@
+"""Compile every Triton kernel for a Hopper GPU (sm_90, down to the cubin), on a machine without one.
+
+The CPU interpreter that runs the kernel tests accepts code that the GPU compiler rejects (a plain global used
+inside a kernel, a name given two types on the two sides of a runtime `if`), so a kernel can pass every test here
+and fail on its first GPU launch. This script swaps in a driver that answers the compiler's questions as an H100
+would and turns every launch into a compile only, then calls each public kernel function with small CPU tensors,
+once per compiled variant (flags, dtypes, tile choices). Run by tests/test_compile_for_hopper.py in a process
+of its own, without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import jit
+from triton.runtime.driver import driver
+
+
+class CompileOnlyDriver(CudaDriver):
+    """The CUDA driver's answers to the compiler, for an H100, with no GPU behind them."""
+
+    def __init__(self):  # the real one loads libcuda
+        pass
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+def compile_only(run):
+    def wrapper(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+    return wrapper
+
+
+def main() -> None:
+    driver.set_active(CompileOnlyDriver())
+    jit.JITFunction.run = compile_only(jit.JITFunction.run)
+    from flashpage.kernels import triton_ops as tri
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape).to(dtype)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        # attention: varlen prefill (plain and windowed), paged decode with and without splits, paged prefill
+        q, k, v = rand(40, 8, 128, dtype=dtype), rand(40, 2, 128, dtype=dtype), rand(40, 2, 128, dtype=dtype)
+        cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+        tri.flash_attn_varlen(q, k, v, cu, cu, 23, 23)
+        tri.flash_attn_varlen(q, k, v, cu, cu, 23, 23, window_size=(7, 0))
+        cache = rand(8, 16, 2, 128, dtype=dtype)
+        table = torch.arange(8, dtype=torch.int32).view(2, 4)
+        lens = torch.tensor([50, 33], dtype=torch.int32)
+        for splits in (1, 4):
+            tri.paged_attention(rand(2, 8, 128, dtype=dtype), cache, cache, table, torch.tensor([0, 1, 2], dtype=torch.int32),
+                                lens, 1, num_splits=splits)
+        tri.paged_attention(rand(9, 8, 128, dtype=dtype), cache, cache, table, torch.tensor([0, 4, 9], dtype=torch.int32),
+                            lens, 5)
+        tri.reshape_and_cache(k[:3], v[:3], cache, cache, torch.tensor([5, -1, 70]))
+        # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms
+        x, w = rand(3, 256, dtype=dtype), rand(256, dtype=dtype)
+        tri.rms_norm(x, w, 1e-5)
+        tri.silu_and_mul(rand(3, 512, dtype=dtype))
+        cos_sin = rand(40, 128, dtype=dtype)
+        tri.rope_and_cache(q, k, cos_sin, cos_sin)
+        tri.rope_and_cache(q, k, cos_sin, cos_sin, v, cache, cache, torch.arange(40))
+        weight = rand(64, 256, dtype=dtype)
+        tri.linear(x, weight)
+        tri.linear(x, weight, rand(64, dtype=dtype), residual=rand(3, 64, dtype=dtype))
+        tri.linear(x, weight, norm_weight=w, eps=1e-5, silu_mul=True)
+        tri.linear(x, weight, norm_weight=w, eps=1e-5, out_dtype=torch.float32)
+    # sampling (float32 logits), with and without the top-k / top-p search, and the penalties
+    logits = torch.randn(3, 1000)
+    full = lambda v, dt: torch.full((3,), v, dtype=dt)  # noqa: E731
+    args = (full(0.8, torch.float32), full(50, torch.int32), full(0.9, torch.float32), full(0.05, torch.float32),
+            full(7, torch.int64))
+    for filtered in (True, False):
+        tri.sample(logits, *args, filtered=filtered)
+    tri.apply_penalties(logits, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5, 9]),
+                        torch.tensor([1, 0], dtype=torch.int32), *(full(1.1, torch.float32) for _ in range(3)))
+    print("all kernels compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
