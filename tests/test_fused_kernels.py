@@ -1,4 +1,4 @@
-"""Fused Triton kernels (RMSNorm+residual, SiLU-mul, RoPE+cache write, penalties, sampling) against their
+"""Fused Triton kernels (RMSNorm, SiLU-mul, linear with its neighbours, RoPE+cache write, penalties, sampling) against their
 references, through the interpreter on CPU. Fresh random inputs, awkward sizes, outputs poisoned first."""
 
 from __future__ import annotations
@@ -18,18 +18,49 @@ def rand(*shape, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,hidden", [(1, 64), (5, 576), (3, 1000)])
-def test_rms_norm_with_and_without_residual(tokens, hidden, dtype):
-    x, res, w = rand(tokens, hidden, dtype=dtype), rand(tokens, hidden, dtype=dtype), rand(hidden, dtype=dtype)
-    out, h = tri.rms_norm(x, w, 1e-5, res)
-    want_out, want_h = ref.rms_norm(x, w, 1e-5, res)
-    if dtype == torch.bfloat16:  # the interpreter rounds to bfloat16 by truncation; the GPU to nearest
-        assert rel_err(h, want_h) < 1e-2
-    else:
-        assert torch.equal(h, want_h)  # the add rounds exactly like torch's
-    assert rel_err(out, want_out) < (1e-6 if dtype == torch.float32 else 1e-2)
-    out, h = tri.rms_norm(x, w, 1e-5)
-    assert h is x and rel_err(out, ref.rms_norm(x.double(), w.double(), 1e-5)[0]) < (1e-6 if dtype == torch.float32 else 1e-2)
-    assert tri.rms_norm(x[:0], w, 1e-5)[0].shape == (0, hidden)
+def test_rms_norm(tokens, hidden, dtype):
+    x, w = rand(tokens, hidden, dtype=dtype), rand(hidden, dtype=dtype)
+    out = tri.rms_norm(x, w, 1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, ref.rms_norm(x, w, 1e-5)) < tol
+    assert rel_err(out, ref.rms_norm(x.double(), w.double(), 1e-5)) < tol
+    assert tri.rms_norm(x[:0], w, 1e-5).shape == (0, hidden)
+
+
+def linear_float64(x, weight, bias=None, norm_weight=None, eps=1e-5, silu_mul=False, residual=None):
+    """The definition of `linear`, in float64."""
+    x, weight = x.double(), weight.double()
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    y = x @ weight.T + (0 if bias is None else bias.double())
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else y + residual.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k", [(1, 40, 100), (5, 33, 700), (16, 64, 64)])
+@pytest.mark.parametrize("fused", ["plain", "norm+bias", "norm+silu_mul", "residual", "bias+residual"])
+def test_linear(rows, n, k, fused, dtype):
+    """The fused kernel (up to 16 rows) and the composed path (here: float32, or 17+ rows) against float64; for
+    silu_mul the weight has 2n rows (gate, then up)."""
+    silu = "silu" in fused
+    x, weight = rand(rows, k, dtype=dtype), rand(2 * n if silu else n, k, dtype=dtype) / k**0.5
+    kw = dict(bias=rand(weight.shape[0], dtype=dtype) if "bias" in fused else None,
+              norm_weight=rand(k, dtype=dtype) if "norm" in fused else None, eps=1e-5, silu_mul=silu,
+              residual=rand(rows, n, dtype=dtype) if "residual" in fused else None)
+    want = linear_float64(x, weight, **kw)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # 16-bit: up to five roundings (norm, gate, silu, up, product)
+    for impl in (tri, ref):
+        got = impl.linear(x, weight, **kw)
+        assert got.shape == (rows, n) and got.dtype == dtype and rel_err(got, want) < tol
+    logits = tri.linear(x, weight, **kw, out_dtype=torch.float32)  # as the LM head asks
+    assert logits.dtype == torch.float32 and rel_err(logits, want) < tol
+    tall = rand(17, k, dtype=dtype)  # over the fused kernel's row limit
+    tall_kw = {**kw, "residual": rand(17, n, dtype=dtype) if kw["residual"] is not None else None}
+    assert rel_err(tri.linear(tall, weight, **tall_kw), linear_float64(tall, weight, **tall_kw)) < tol
+    assert tri.linear(x[:0], weight, **{**kw, "residual": None}).shape == (0, n)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -37,8 +68,10 @@ def test_rms_norm_with_and_without_residual(tokens, hidden, dtype):
 def test_silu_and_mul(tokens, inter, dtype):
     x = rand(tokens, 2 * inter, dtype=dtype) * 3
     out = tri.silu_and_mul(x)
-    assert rel_err(out, ref.silu_and_mul(x)) < (1e-6 if dtype == torch.float32 else 1e-2)
-    assert rel_err(out, ref.silu_and_mul(x.double())) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # 16-bit: two roundings, which the interpreter does by truncation (up to 2 ** -7 each)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    assert rel_err(out, ref.silu_and_mul(x)) < tol
+    assert rel_err(out, ref.silu_and_mul(x.double())) < tol
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,7 +1,8 @@
 """`flashpage bench fused`: each fused Triton kernel against its PyTorch reference (the unfused ops), on a CUDA GPU.
 
 Shapes of llama-3-8b in bf16 (hidden 4096, intermediate 14336, 32/8 heads of 128, vocab 128256) for a few token
-counts. Both sides are timed as CUDA-graph replays (median), so launch overhead counts only as it would in
+counts. `linear` is the decode projection with its epilogue (Triton up to 16 rows, then cuBLAS between Triton
+kernels) against cuBLAS between PyTorch ops; its bytes are the weight's. Both sides are timed as CUDA-graph replays (median), so launch overhead counts only as it would in
 the engine's decode graphs. The unfused side is the reference, except where the reference syncs with the host
 (so could not be captured): for the cache write and for sampling it is the same math in capturable PyTorch.
 Prints ms, the speed-up, and bytes moved as a fraction of the measured copy rate.
@@ -23,14 +24,18 @@ HIDDEN, INTER, HQ, HKV, D, VOCAB = 4096, 14336, 32, 8, 128, 128256
 
 
 def cases(tokens: int):
-    """(label, kernel name, unfused PyTorch, bytes moved, make_args); make_args() returns fresh arguments."""
+    """(label, kernel name, unfused PyTorch, bytes moved, make_args); make_args() returns fresh arguments (a trailing
+    dict: keyword arguments)."""
     dev, bf = "cuda", torch.bfloat16
     rnd = lambda *s, dtype=bf: torch.randn(*s, device=dev).to(dtype)  # noqa: E731
     blocks = tokens // 16 + 8
     slots = torch.randperm(blocks * 16, device=dev)[:tokens]
     sample_rows = min(tokens, 256)
-    yield ("rms_norm+residual", "rms_norm", ref.rms_norm, 3 * tokens * HIDDEN * 2,
-           lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN), 1e-5, rnd(tokens, HIDDEN)))
+    yield ("rms_norm", "rms_norm", ref.rms_norm, 2 * tokens * HIDDEN * 2, lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN), 1e-5))
+    yield ("linear o_proj + residual", "linear", ref.linear, HIDDEN * HIDDEN * 2,
+           lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN, HIDDEN) / 64, None, {"residual": rnd(tokens, HIDDEN)}))
+    yield ("linear gate_up + silu_and_mul", "linear", ref.linear, 2 * INTER * HIDDEN * 2,
+           lambda: (rnd(tokens, HIDDEN), rnd(2 * INTER, HIDDEN) / 64, None, {"silu_mul": True}))
     yield ("silu_and_mul", "silu_and_mul", ref.silu_and_mul, 3 * tokens * INTER * 2, lambda: (rnd(tokens, 2 * INTER),))
     yield ("rope_and_cache", "rope_and_cache", torch_rope_and_cache, 2 * tokens * (HQ + 2 * HKV) * D * 2 + 2 * tokens * HKV * D * 2,
            lambda: (rnd(tokens, HQ, D), rnd(tokens, HKV, D), rnd(tokens, D), rnd(tokens, D), rnd(tokens, HKV, D),
@@ -68,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in map(int, args.tokens.split(",")):
         for name, fn_name, unfused, nbytes, make in cases(tokens):
             a, b = make(), make()
-            t_tri = median_ms(lambda: getattr(tri, fn_name)(*a))
-            t_ref = median_ms(lambda: unfused(*b))
+            a_kw, b_kw = (x[-1] if isinstance(x[-1], dict) else {} for x in (a, b))  # keyword arguments last
+            a, b = (x[:-1] if isinstance(x[-1], dict) else x for x in (a, b))
+            t_tri = median_ms(lambda: getattr(tri, fn_name)(*a, **a_kw))
+            t_ref = median_ms(lambda: unfused(*b, **b_kw))
             frac = nbytes / (t_tri * 1e-3) / (bw * 1e12)
             rows.append(dict(kernel=name, tokens=tokens, triton_ms=t_tri, torch_ms=t_ref, of_copy=frac))
             print(f"{name:<36}{tokens:>7}{t_tri:>11.4f}{t_ref:>10.4f}{t_ref / t_tri:>9.2f}x{frac:>9.0%}")

@@ -85,7 +85,8 @@ class StaticLlama(nn.Module):
             h = h + a.o_proj(o.transpose(1, 2).reshape(b, s, -1))
             gate, up = layer.mlp.gate_up_proj(_rms(h, layer.post_attention_layernorm)).chunk(2, dim=-1)
             h = h + layer.mlp.down_proj(F.silu(gate) * up)
-        return m.compute_logits(_rms(h, m.norm))
+        weight = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        return F.linear(_rms(h, m.norm), weight).float()
 
 
 def _rms(x, norm):

@@ -64,16 +64,33 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
 
 
-def rms_norm(x, weight, eps, residual=None):
-    h = x if residual is None else x + residual
-    f = h.float()
+def rms_norm(x, weight, eps):
+    f = x.float()
     f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * f.to(h.dtype), h
+    return weight * f.to(x.dtype)
 
 
 def silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None):
+    """A projection with its decoder-layer neighbours: [silu_and_mul](norm(x) @ weight.T + bias) + residual."""
+    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype)
+
+
+def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype):
+    """`linear` from separate kernels (these references, or Triton's above the fused kernel's row limit)."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if residual is not None:  # one rounding for product and sum
+        y = torch.addmm(residual if bias is None else residual + bias, x, weight.t())
+    else:
+        y = F.linear(x, weight, bias)
+    if silu_mul:
+        y = silu_and_mul(y)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def rope_and_cache(q, k, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):

@@ -1,11 +1,26 @@
 """The Triton kernels under the names the model and sampler call (same signatures as `reference`)."""
 
+import torch
+
 from flashpage.kernels.activation import silu_and_mul
 from flashpage.kernels.attention import flash_attn_varlen, paged_attention
 from flashpage.kernels.cache import reshape_and_cache
+from flashpage.kernels.linear import MAX_ROWS, skinny_linear
 from flashpage.kernels.norm import rms_norm
+from flashpage.kernels.reference import composed_linear
 from flashpage.kernels.rotary import rope_and_cache
 from flashpage.kernels.sampling import apply_penalties, sample
 
-__all__ = ["apply_penalties", "flash_attn_varlen", "paged_attention", "reshape_and_cache", "rms_norm",
+__all__ = ["apply_penalties", "flash_attn_varlen", "linear", "paged_attention", "reshape_and_cache", "rms_norm",
            "rope_and_cache", "sample", "silu_and_mul"]
+
+
+def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None):
+    """Up to 16 rows of 16-bit data (decode): the norm kernel, then one kernel that streams the weight with the
+    rest fused. Otherwise cuBLAS between the Triton norm and activation kernels; float32 too, whose tensor-core
+    products would round to tf32."""
+    if x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
+        if norm_weight is not None:
+            x = rms_norm(x, norm_weight, eps)
+        return skinny_linear(x, weight, bias, silu_mul=silu_mul, residual=residual, out_dtype=out_dtype)
+    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype)

@@ -1,9 +1,11 @@
 """One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5, SmolLM2.
 
-Tokens come flattened (all sequences of a step back to back) with their positions. Everything but the matmuls
-runs through a kernel set (`flashpage.kernels`: PyTorch references or Triton), which the model holds as `ops`:
-RMSNorm fused with the residual add, rotary embedding fused with the KV-cache write, attention, SiLU-and-mul.
-Q/K/V and gate/up are each one matmul; `load_weights` takes transformers' tensor names and fills the slices.
+Tokens come flattened (all sequences of a step back to back) with their positions. Every operation runs through
+a kernel set (`flashpage.kernels`: PyTorch references or Triton), which the model holds as `ops`. The residual
+stream h is carried from layer to layer; each projection is one `ops.linear` that takes in its neighbours: the
+RMSNorm before Q/K/V and before gate/up, SiLU-and-mul after gate/up, the residual add after o_proj and down_proj
+(at decode sizes, one Triton kernel each). Rotary embedding is fused with the KV-cache write. Q/K/V and gate/up
+are each one matmul; `load_weights` takes transformers' tensor names and fills the slices.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from flashpage.model.rope import rope_cos_sin, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
+    """The norm's weight and epsilon; applied by the `ops.linear` that reads the normalised input."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
-
-    def forward(self, ops, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(h), h) with h = x + residual: the residual stream passes through the norm's kernel."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -40,13 +40,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
 
-    def forward(self, ops, x, cos, sin, meta, kv_cache):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, ops, h, norm: RMSNorm, cos, sin, meta, kv_cache):
+        """h + attention(norm(h))."""
+        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = attention(ops, q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(o.flatten(1))
+        return ops.linear(o.flatten(1), self.o_proj.weight, self.o_proj.bias, residual=h)
 
 
 class MLP(nn.Module):
@@ -55,8 +57,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, ops, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, ops, h, norm: RMSNorm):
+        """h + down(silu(gate(norm(h))) * up(norm(h)))."""
+        act = ops.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                         silu_mul=True)
+        return ops.linear(act, self.down_proj.weight, self.down_proj.bias, residual=h)
 
 
 class DecoderLayer(nn.Module):
@@ -67,12 +72,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, ops, x, residual, cos, sin, meta, kv_cache):
-        """x: the previous layer's output, not yet added to the residual stream (None before the first layer)."""
-        x, residual = self.input_layernorm(ops, x, residual)
-        x = self.self_attn(ops, x, cos, sin, meta, kv_cache)
-        x, residual = self.post_attention_layernorm(ops, x, residual)
-        return self.mlp(ops, x), residual
+    def forward(self, ops, h, cos, sin, meta, kv_cache):
+        h = self.self_attn(ops, h, self.input_layernorm, cos, sin, meta, kv_cache)
+        return self.mlp(ops, h, self.post_attention_layernorm)
 
 
 # transformers name fragment -> (our parameter fragment, shard index) for the fused projections.
@@ -108,19 +110,20 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        """input_ids, positions: [T]. Returns the residual stream after the last layer [T, hidden] (the final norm
+        is applied by `compute_logits`, on the rows that need logits)."""
         h = self.embed_tokens(input_ids)
         if self._inv_freq.device != h.device:
             self._inv_freq = self._inv_freq.to(h.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, h.dtype)
-        x, residual = h, None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(self.ops, x, residual, cos, sin, meta, None if kv_caches is None else kv_caches[i])
-        return self.norm(self.ops, x, residual)[0]
+            h = layer(self.ops, h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows of `forward`'s output."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=torch.float32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors named as in transformers into this model (any dtype/device; one at a time).

@@ -1,0 +1,96 @@
+"""Linear layers at decode batch sizes: one kernel streams the weight once and fuses what follows the matmul.
+
+A decode step multiplies a handful of rows by each weight matrix, so it is bound by reading the weights, and in a
+CUDA graph every small kernel between two matmuls costs a few microseconds. This kernel takes in the neighbours
+that come after each projection of a decoder layer, without adding work to the loop that streams the weight:
+- SiLU-and-mul of the output of a fused [gate | up] projection: a program owns gate columns j and their up
+  columns I + j, and writes silu(gate) * up, so the [M, 2I] intermediate never exists;
+- bias, the residual add (one rounding, as torch.addmm), and the output dtype (float32 logits from the LM head).
+The RMSNorm before a projection stays a kernel of its own: each program would have to read the whole input rows
+before its first product, and that costs more than the launch it saves (measured: docs/kernel-notes.md).
+A program owns BLOCK_N output features of every row and walks all of K (no split-K, no atomics). Rows are
+padded to one tensor-core tile (16); larger batches are compute-shaped and go to cuBLAS (`flashpage.kernels.
+triton_ops.linear` chooses).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashpage.kernels.attention import _dot
+
+MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    X, W, Bias, Residual, Out,
+    M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
+    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N  # N counts output features: with SILU_MUL, the weight has 2N rows
+    kk = tl.arange(0, BLOCK_K)
+    x_rows = X + rows[:, None].to(tl.int64) * stride_xm
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = col_ok[:, None] & k_ok[None, :]
+        acc += _dot(x, tl.trans(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)), UPCAST)
+        if SILU_MUL:
+            up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0)
+            acc_up += _dot(x, tl.trans(up), UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:  # rounded like the unfused path: gate and up in the model dtype, then silu(gate), then the product
+        gate = acc.to(W.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(W.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(W.dtype.element_ty).to(tl.float32)
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(Residual + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0).to(tl.float32)
+    tl.store(Out + rows[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty), mask=out_ok)
+
+
+def _tiles(silu_mul: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from sweeps over llama-3-8b's projections on an H100
+    (docs/kernel-notes.md). With silu_mul a stage holds two weight tiles."""
+    return (32, 256, 4, 3) if silu_mul else (32, 512, 4, 4)
+
+
+def skinny_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, tiles=None):
+    """x [M <= 16, K], weight [N, K] -> [M, N] (or [M, N / 2] with silu_mul); see the module docstring.
+    `tiles` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"skinny_linear needs x [<= {MAX_ROWS}, K] and weight [N, K] with unit inner strides, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if residual is not None and residual.shape != out.shape:
+        raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
+    if m == 0:
+        return out
+    block_n, block_k, warps, stages = tiles or _tiles(silu_mul)
+    res = residual if residual is not None else out
+    unused = weight  # stands in for the optional pointers the variant does not read
+    _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, unused if bias is None else bias, res, out, m, n, k, x.stride(0), weight.stride(0), res.stride(0),
+        out.stride(0), SILU_MUL=silu_mul, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=warps, num_stages=stages)
+    return out
