@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     total_s = statistics.median(timed_generate(args.output_len)[0] for _ in range(args.repeats))
     results["flashpage_ms_per_token"] = (total_s - prefill_s) / (args.output_len - 1) * 1e3
     results["flashpage_ttft_ms"] = prefill_s * 1e3
+    if llm.engine.runner.graphs:
+        results["decode_step"] = decode_breakdown(llm.engine.runner, args.batch_size)
 
     cuda_prompts = prompts.cuda()
     if "gpt-fast" not in skip:
@@ -123,22 +125,57 @@ def matmuls_ms(model, batch: int) -> float:
     return median_ms(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights])
 
 
+KERNEL_KINDS = [("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma")), ("linear (Triton)", ("skinny_linear",)),
+                ("attention", ("_attention_kernel",)), ("split merge", ("_merge_splits",)), ("rms_norm", ("rms_norm",)),
+                ("rope+cache", ("rope",)), ("silu_and_mul", ("silu",))]
+
+
+def decode_breakdown(runner, batch: int) -> dict:
+    """Where one decode step's GPU time goes: the replay time of the step's CUDA graph (as the last decode left
+    its inputs) and, from the profiler, the summed durations of its kernels by kind. The difference is the time
+    the GPU spends between kernels."""
+    size = next(b for b in runner.graphs if b >= batch)
+    graph = runner.graphs[size][0]
+    replay_ms = median_ms(graph.replay, graph=False)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    count = 0
+    for e in prof.key_averages():
+        us = e.self_device_time_total / 10
+        if us <= 0:
+            continue
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in e.key for key in keys)), "other: " + e.key[:40])
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+        count += e.count // 10
+    return {"graph_batch": size, "replay_ms": replay_ms, "kernels": count, "kernel_ms": kinds}
+
+
 def greedy_check(llm, hf, vocab: int, gen: torch.Generator, lengths=(5, 37, 128, 511), n: int = 16) -> list[dict]:
     """flashpage's greedy tokens against transformers'; where they differ, the reference's top-2 logit margin
-    at the first differing step (a small margin means bf16 rounding chose, not a bug)."""
+    at the first differing step (a small margin means bf16 rounding chose, not a bug). Over the steps where they
+    agree, the largest difference between the two log-probabilities of the chosen token."""
     from flashpage import SamplingParams
 
     out = []
     for length in lengths:
         prompt = torch.randint(vocab, (length,), generator=gen)
-        ours = llm.generate([prompt.tolist()], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids
+        completion = llm.generate([prompt.tolist()], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                                    logprobs=0), use_tqdm=False)[0].outputs[0]
+        ours = completion.token_ids
         with torch.inference_mode():
             ref = hf.generate(prompt[None].cuda(), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                               output_scores=True, return_dict_in_generate=True)
         theirs = ref.sequences[0, length:].tolist()
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         entry = {"prompt_len": length, "equal_tokens": n if first is None else first}
+        diffs = [abs(completion.logprobs[i][t] - float(torch.log_softmax(ref.scores[i][0].float(), -1)[t]))
+                 for i, t in enumerate(ours[:entry["equal_tokens"]])]
+        entry["max_logprob_diff"] = max(diffs, default=0.0)
         if first is not None:
             top2 = ref.scores[first][0].float().topk(2).values
             entry["margin_at_divergence"] = float(top2[0] - top2[1])
@@ -160,9 +197,17 @@ def report(r: dict) -> None:
         if key in r:
             ms = r[key]
             print(f"{name:<28}{ms:>10.2f}{r['batch_size'] * 1e3 / ms:>10.1f}{floor / ms:>10.1%}{ms / ours:>13.2f}")
+    if "decode_step" in r:
+        d = r["decode_step"]
+        busy = sum(d["kernel_ms"].values())
+        print(f"one decode step (graph of batch {d['graph_batch']}): {d['replay_ms']:.3f} ms replayed, {d['kernels']} kernels "
+              f"busy {busy:.3f} ms, {d['replay_ms'] - busy:.3f} ms between kernels")
+        for kind, ms in sorted(d["kernel_ms"].items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:<48}{ms:>8.3f} ms")
     for c in r.get("greedy_check", []):
         extra = f", margin {c['margin_at_divergence']:.3f} there" if "margin_at_divergence" in c else ""
-        print(f"greedy vs transformers, prompt {c['prompt_len']}: first {c['equal_tokens']} tokens equal{extra}")
+        print(f"greedy vs transformers, prompt {c['prompt_len']}: first {c['equal_tokens']} tokens equal{extra}; "
+              f"chosen-token logprobs differ by <= {c['max_logprob_diff']:.3f} over those")
 
 
 if __name__ == "__main__":

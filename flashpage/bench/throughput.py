@@ -3,7 +3,10 @@
 `--num-prompts` requests of `--input-len` random prompt tokens, each generating exactly `--output-len` tokens
 (EOS ignored), all handed to `LLM.generate` at once, on random ("dummy") weights of a real shape (llama-3-8b
 bf16 by default). The peer is transformers' `generate` (eager, SDPA, greedy) on the same weights, at each of
-`--hf-batch-sizes` (one batch each); its best rate is the one compared. Prints a table; `--out` writes JSON.
+`--hf-batch-sizes` (one batch each); its best rate is the one compared. The ceiling is the compute floor: the
+run's matrix-product FLOPs (every token through every projection, the LM head for each sampled token; attention
+left out, so the floor is low) over the bf16 matmul rate measured in the same run. Prints a table; `--out`
+writes JSON.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from flashpage.bench.common import matmul_tflops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
          "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
          "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_output_tok_s": generated / elapsed,
          "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {}}
+    r["matmul_tflops"] = matmul_tflops()
+    r["compute_floor_s"] = matmul_flops(llm.engine.runner.model, prompts.numel() + generated, generated) / (
+        r["matmul_tflops"] * 1e12)
 
     sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     if sizes:
@@ -77,17 +85,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def matmul_flops(model, tokens: int, sampled: int) -> float:
+    """2 FLOPs per weight per token for the decoder's projections, and for the LM head per sampled token."""
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    body = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
+    return 2.0 * (body * tokens + head.numel() * sampled)
+
+
 def report(r: dict) -> None:
     print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}, {r['num_prompts']} requests x ({r['input_len']} in, "
           f"{r['output_len']} out)")
     ours = r["flashpage_output_tok_s"]
     print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total tok/s")
+    floor = r["compute_floor_s"]
+    print(f"compute floor (matmul FLOPs at the measured {r['matmul_tflops']:.0f} TFLOP/s): {floor:.1f} s, at most "
+          f"{ours * r['flashpage_s'] / floor:,.0f} output tok/s; flashpage reaches {floor / r['flashpage_s']:.0%} of it")
     for bs, rate in r["transformers"].items():
         shown = "out of memory" if rate is None else f"{rate:,.0f} output tok/s -> flashpage is {ours / rate:.1f}x"
         print(f"transformers generate, batch {bs}: {shown}")
     best = max((v for v in r["transformers"].values() if v), default=None)
     if best:
-        print(f"flashpage / best transformers batch: {ours / best:.1f}x")
+        print(f"flashpage / best transformers batch: {ours / best:.1f}x (the compute floor allows at most "
+              f"{ours * r['flashpage_s'] / floor / best:.1f}x)")
 
 
 if __name__ == "__main__":
