@@ -59,13 +59,45 @@ def torch_sample(logits, temperature, top_k, top_p, min_p, seeds):
     return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 
+def sweep_linear() -> None:
+    """The decode linear's tiles (BLOCK_N, BLOCK_K, warps, stages) on llama-3-8b's projections, at 1 and 16 rows,
+    against cuBLAS alone: the numbers behind `flashpage.kernels.linear._tiles` (docs/kernel-notes.md)."""
+    import itertools
+
+    from triton.runtime.errors import OutOfResources
+
+    from flashpage.kernels.linear import skinny_linear
+
+    shapes = {"qkv": (6144, HIDDEN), "o_proj": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+              "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
+    tiles = list(itertools.product([16, 32, 64], [128, 256, 512], [4], [3, 4]))
+    for rows, (name, (n, k)) in itertools.product((1, 16), shapes.items()):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        cublas = median_ms(lambda: torch.nn.functional.linear(x, w))
+        for silu in (False, True) if name == "gate_up" else (False,):
+            timed = []
+            for t in tiles:
+                try:
+                    timed.append((median_ms(lambda: skinny_linear(x, w, silu_mul=silu, tiles=t)), t))
+                except OutOfResources:
+                    pass  # a stage too large for shared memory
+            timed.sort()
+            label = name + (" + silu_and_mul" if silu else "")
+            print(f"{label:<24} rows {rows:>2}: cuBLAS {cublas * 1e3:7.1f} us; best tiles "
+                  + ", ".join(f"{t} {ms * 1e3:.1f} us" for ms, t in timed[:3]), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench fused", description=__doc__)
     p.add_argument("--tokens", default="1,64,256,4096")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--sweep-linear", action="store_true", help="time the decode linear's tile choices first")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.sweep_linear:
+        sweep_linear()
     bw = copy_bandwidth_tbs()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.2f} TB/s")
     print(f"{'kernel':<36}{'tokens':>7}{'triton ms':>11}{'torch ms':>10}{'speed-up':>10}{'of copy':>9}")
