@@ -169,3 +169,29 @@ def test_sample_matches_the_filtered_distribution(kw):
     assert got[~kept].sum() == 0, "sampled a filtered-out token"
     expected = probs[kept] * draws
     assert ((got[kept] - expected) ** 2 / expected).sum().item() <= chi2_limit(int(kept.sum()) - 1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tensor-core products on a model of real shape need a GPU")
+def test_decode_linear_keeps_bf16_logits_as_close_to_float32_as_cublas():
+    """llama-3.2-1b shapes, random weights: decode-sized batches (1-16 rows, so the fused decode linear) through the
+    Triton kernel set and through the PyTorch references (cuBLAS), both in bf16, against the same weights computed
+    in float32. The fused path may not be less accurate than cuBLAS."""
+    from flashpage.loader import load_model
+    from flashpage.model import AttentionMetadata
+
+    m16 = load_model("llama-3.2-1b", load_format="dummy", dtype="bfloat16", device="cuda").model
+    m32 = load_model("llama-3.2-1b", load_format="dummy", dtype="float32", device="cuda").model
+    with torch.no_grad():
+        for a, b in zip(m32.parameters(), m16.parameters()):
+            a.copy_(b)
+    for rows in (1, 5, 16):
+        ids = torch.randint(m16.config.vocab_size, (rows,), device="cuda")
+        positions = torch.randint(0, 500, (rows,), device="cuda")
+        meta = AttentionMetadata.prefill([1] * rows, "cuda")
+        with torch.inference_mode():
+            want = m32.compute_logits(m32(ids, positions, meta))
+            errors = {}
+            for kernels in ("triton", "torch"):
+                m16.set_kernels(kernels)
+                errors[kernels] = rel_err(m16.compute_logits(m16(ids, positions, meta)), want)
+        assert errors["triton"] < min(1.25 * errors["torch"], 5e-2), errors
