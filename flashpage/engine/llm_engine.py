@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashpage.engine.runner import ModelRunner, SampledTokens
-from flashpage.engine.sampler import SampleRow
+from flashpage.engine.sampler import SampleRow, upload
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Sequence
 from flashpage.kv import PENDING, BlockManager
@@ -178,8 +178,8 @@ class LLMEngine:
                     self.scheduler.fork(seq, child)
                     rows.append(row)
                     seqs.append(child)
-        if rows != list(range(logits.shape[0])):
-            logits = logits[rows]
+        if rows != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
+            logits = logits.index_select(0, upload(rows, torch.int64, logits.device))
         sample_rows = [SampleRow(s.params, s.token_ids, len(s.token_ids) - s.num_prompt_tokens, self._seed(s))
                        for s in seqs]
         result = self.runner.sample(logits, sample_rows, [self._blocked_tokens(s) for s in seqs],

@@ -126,7 +126,10 @@ class ModelRunner:
         meta = AttentionMetadata(cu_t, lens_t, max(len(s.token_ids) for s in seqs), slots_t, table_t)
         hidden = self.model(ids, positions_t, meta, self.kv_caches)
         last = [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
-        logits = self.model.compute_logits(hidden[last] if len(last) < n else hidden)
+        # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory, which
+        # makes the host wait for the whole forward pass and leaves the GPU idle while it prepares the next step.
+        logits = self.model.compute_logits(hidden.index_select(0, upload(last, torch.int64, dev)) if len(last) < n
+                                           else hidden)
         prompt_logits = {s.seq_id: self.model.compute_logits(hidden[cu[i]:cu[i + 1]])
                          for i, s in enumerate(seqs) if s.prompt_logits}
         return logits, prompt_logits
