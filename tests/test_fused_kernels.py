@@ -1,5 +1,5 @@
-"""Fused Triton kernels (RMSNorm, SiLU-mul, linear with its neighbours, RoPE+cache write, penalties, sampling) against their
-references, through the interpreter on CPU. Fresh random inputs, awkward sizes, outputs poisoned first."""
+"""Fused Triton kernels (RMSNorm, SiLU-mul, linear with its neighbours, RoPE+cache write, penalties, sampling)
+against their references, through the interpreter on CPU. Fresh random inputs, awkward sizes, outputs poisoned first."""
 
 from __future__ import annotations
 

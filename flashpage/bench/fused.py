@@ -2,9 +2,10 @@
 
 Shapes of llama-3-8b in bf16 (hidden 4096, intermediate 14336, 32/8 heads of 128, vocab 128256) for a few token
 counts. `linear` is the decode projection with its epilogue (Triton up to 16 rows, then cuBLAS between Triton
-kernels) against cuBLAS between PyTorch ops; its bytes are the weight's. Both sides are timed as CUDA-graph replays (median), so launch overhead counts only as it would in
-the engine's decode graphs. The unfused side is the reference, except where the reference syncs with the host
-(so could not be captured): for the cache write and for sampling it is the same math in capturable PyTorch.
+kernels) against cuBLAS between PyTorch ops; its bytes are the weight's. Both sides are timed as CUDA-graph
+replays (median), so launch overhead counts only as it would in the engine's decode graphs. The unfused side is
+the reference, except where the reference syncs with the host (so could not be captured): for the cache write
+and for sampling it is the same math in capturable PyTorch.
 Prints ms, the speed-up, and bytes moved as a fraction of the measured copy rate.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,26 +26,30 @@ HIDDEN, INTER, HQ, HKV, D, VOCAB = 4096, 14336, 32, 8, 128, 128256
 
 
 def cases(tokens: int):
-    """(label, kernel name, unfused PyTorch, bytes moved, make_args); make_args() returns fresh arguments (a trailing
-    dict: keyword arguments)."""
+    """(label, Triton kernel, unfused PyTorch, bytes moved, make_args); make_args() returns fresh arguments."""
     dev, bf = "cuda", torch.bfloat16
     rnd = lambda *s, dtype=bf: torch.randn(*s, device=dev).to(dtype)  # noqa: E731
     blocks = tokens // 16 + 8
     slots = torch.randperm(blocks * 16, device=dev)[:tokens]
     sample_rows = min(tokens, 256)
-    yield ("rms_norm", "rms_norm", ref.rms_norm, 2 * tokens * HIDDEN * 2, lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN), 1e-5))
-    yield ("linear o_proj + residual", "linear", ref.linear, HIDDEN * HIDDEN * 2,
-           lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN, HIDDEN) / 64, None, {"residual": rnd(tokens, HIDDEN)}))
-    yield ("linear gate_up + silu_and_mul", "linear", ref.linear, 2 * INTER * HIDDEN * 2,
-           lambda: (rnd(tokens, HIDDEN), rnd(2 * INTER, HIDDEN) / 64, None, {"silu_mul": True}))
-    yield ("silu_and_mul", "silu_and_mul", ref.silu_and_mul, 3 * tokens * INTER * 2, lambda: (rnd(tokens, 2 * INTER),))
-    yield ("rope_and_cache", "rope_and_cache", torch_rope_and_cache, 2 * tokens * (HQ + 2 * HKV) * D * 2 + 2 * tokens * HKV * D * 2,
+    yield ("rms_norm", tri.rms_norm, ref.rms_norm, 2 * tokens * HIDDEN * 2,
+           lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN), 1e-5))
+    yield ("linear o_proj + residual", with_residual(tri.linear), with_residual(ref.linear), HIDDEN * HIDDEN * 2,
+           lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN, HIDDEN) / 64, rnd(tokens, HIDDEN)))
+    yield ("linear gate_up + silu_and_mul", partial(tri.linear, silu_mul=True), partial(ref.linear, silu_mul=True),
+           2 * INTER * HIDDEN * 2, lambda: (rnd(tokens, HIDDEN), rnd(2 * INTER, HIDDEN) / 64))
+    yield ("silu_and_mul", tri.silu_and_mul, ref.silu_and_mul, 3 * tokens * INTER * 2, lambda: (rnd(tokens, 2 * INTER),))
+    yield ("rope_and_cache", tri.rope_and_cache, torch_rope_and_cache, 2 * tokens * (HQ + 2 * HKV) * D * 2 + 2 * tokens * HKV * D * 2,
            lambda: (rnd(tokens, HQ, D), rnd(tokens, HKV, D), rnd(tokens, D), rnd(tokens, D), rnd(tokens, HKV, D),
                     rnd(blocks, 16, HKV, D), rnd(blocks, 16, HKV, D), slots))
     full = lambda v, dt: torch.full((sample_rows,), v, dtype=dt, device=dev)  # noqa: E731
-    yield (f"sample x{sample_rows} (top-p 0.9, top-k 50)", "sample", torch_sample, sample_rows * VOCAB * 4,
+    yield (f"sample x{sample_rows} (top-p 0.9, top-k 50)", tri.sample, torch_sample, sample_rows * VOCAB * 4,
            lambda: (rnd(sample_rows, VOCAB, dtype=torch.float32), full(0.8, torch.float32), full(50, torch.int32),
                     full(0.9, torch.float32), full(0.0, torch.float32), torch.arange(sample_rows, device=dev)))
+
+
+def with_residual(linear):
+    return lambda x, weight, residual: linear(x, weight, residual=residual)
 
 
 def torch_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, slots):
@@ -103,12 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'kernel':<36}{'tokens':>7}{'triton ms':>11}{'torch ms':>10}{'speed-up':>10}{'of copy':>9}")
     rows = []
     for tokens in map(int, args.tokens.split(",")):
-        for name, fn_name, unfused, nbytes, make in cases(tokens):
+        for name, fused, unfused, nbytes, make in cases(tokens):
             a, b = make(), make()
-            a_kw, b_kw = (x[-1] if isinstance(x[-1], dict) else {} for x in (a, b))  # keyword arguments last
-            a, b = (x[:-1] if isinstance(x[-1], dict) else x for x in (a, b))
-            t_tri = median_ms(lambda: getattr(tri, fn_name)(*a, **a_kw))
-            t_ref = median_ms(lambda: unfused(*b, **b_kw))
+            t_tri = median_ms(lambda: fused(*a))
+            t_ref = median_ms(lambda: unfused(*b))
             frac = nbytes / (t_tri * 1e-3) / (bw * 1e12)
             rows.append(dict(kernel=name, tokens=tokens, triton_ms=t_tri, torch_ms=t_ref, of_copy=frac))
             print(f"{name:<36}{tokens:>7}{t_tri:>11.4f}{t_ref:>10.4f}{t_ref / t_tri:>9.2f}x{frac:>9.0%}")
