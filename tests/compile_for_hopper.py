@@ -56,9 +56,12 @@ def main() -> None:
         cache = rand(8, 16, 2, 128, dtype=dtype)
         table = torch.arange(8, dtype=torch.int32).view(2, 4)
         lens = torch.tensor([50, 33], dtype=torch.int32)
-        for splits in (1, 4):
-            tri.paged_attention(rand(2, 8, 128, dtype=dtype), cache, cache, table, torch.tensor([0, 1, 2], dtype=torch.int32),
-                                lens, 1, num_splits=splits)
+        decode = (rand(2, 8, 128, dtype=dtype), torch.tensor([0, 1, 2], dtype=torch.int32))
+        for splits in (1, 4):  # split-KV decode reads through the copy engine (TMA), also with a window
+            tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=splits)
+        small_pages = rand(16, 8, 2, 128, dtype=dtype)  # pages of 8 keys: too small for a TMA tile
+        tri.paged_attention(decode[0], small_pages, small_pages, table, decode[1], lens, 1, num_splits=4)
+        tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=4, window_size=(20, 0))
         tri.paged_attention(rand(9, 8, 128, dtype=dtype), cache, cache, table, torch.tensor([0, 4, 9], dtype=torch.int32),
                             lens, 5)
         tri.reshape_and_cache(k[:3], v[:3], cache, cache, torch.tensor([5, -1, 70]))
@@ -74,6 +77,15 @@ def main() -> None:
         tri.linear(x, weight, rand(64, dtype=dtype), residual=rand(3, 64, dtype=dtype))
         tri.linear(x, weight, norm_weight=w, eps=1e-5, silu_mul=True)
         tri.linear(x, weight, norm_weight=w, eps=1e-5, out_dtype=torch.float32)
+    # float32 attention (tests' tiny models): float32 products, not TF32
+    q, k = rand(40, 8, 64, dtype=torch.float32), rand(40, 2, 64, dtype=torch.float32)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    tri.flash_attn_varlen(q, k, k, cu, cu, 23, 23)
+    cache = rand(8, 16, 2, 64, dtype=torch.float32)
+    for splits in (1, 4):
+        tri.paged_attention(q[:2], cache, cache, torch.arange(8, dtype=torch.int32).view(2, 4),
+                            torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([50, 33], dtype=torch.int32), 1,
+                            num_splits=splits)
     # sampling (float32 logits), with and without the top-k / top-p search, and the penalties
     logits = torch.randn(3, 1000)
     full = lambda v, dt: torch.full((3,), v, dtype=dt)  # noqa: E731

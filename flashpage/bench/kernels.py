@@ -85,14 +85,15 @@ def bench_decode(batch: int, context: int) -> dict:
 
 
 def sweep() -> None:
-    """Time a few tile shapes for each regime; prints the best (to be written into attention._tiles)."""
-    configs = [(128, 64, 8, 3), (128, 32, 4, 3)]
-    decode_cfgs = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 8, 3), (16, 128, 4, 2)]
-    original = attn._tiles
-    for label, run, cfgs in [("prefill S=4096", lambda: bench_prefill(4096), configs),
-                             ("decode 64x4096", lambda: bench_decode(64, 4096), decode_cfgs),
-                             ("decode 8x8192", lambda: bench_decode(8, 8192), decode_cfgs),
-                             ("decode 1x32768", lambda: bench_decode(1, 32768), decode_cfgs)]:
+    """Time a few tile shapes for each regime; prints the best (to be written into attention._tiles). Split-KV
+    decode (1x32k, 8x8k here) reads through the copy engine, whose tiles are one page (16 keys) at most."""
+    gather = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 8, 3)]
+    copy_engine = [(16, 16, 2, 5), (16, 16, 1, 5), (16, 16, 2, 7), (16, 16, 4, 5)]
+    original_tiles, original_splits = attn._tiles, attn.choose_num_splits
+    for label, run, cfgs in [("prefill S=4096", lambda: bench_prefill(4096), [(128, 64, 8, 3), (128, 32, 4, 3)]),
+                             ("decode 64x4096", lambda: bench_decode(64, 4096), gather),
+                             ("decode 8x8192", lambda: bench_decode(8, 8192), copy_engine),
+                             ("decode 1x32768", lambda: bench_decode(1, 32768), copy_engine)]:
         for cfg in cfgs:
             attn._tiles = lambda *a, cfg=cfg: cfg
             try:
@@ -100,15 +101,13 @@ def sweep() -> None:
                 print(f"sweep {label:16s} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} {r['unit']}", flush=True)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                 print(f"sweep {label:16s} tiles={cfg}: failed ({type(e).__name__})", flush=True)
-        attn._tiles = original
-    original_splits = attn.choose_num_splits
-    for splits in (16, 32, 64):
-        for cfg in [(16, 128, 8, 3), (16, 64, 8, 4), (16, 256, 8, 3), (16, 128, 4, 4)]:
+    for splits in (32, 64, 128):
+        for cfg in copy_engine:
             attn.choose_num_splits = lambda *a, n=splits: n
             attn._tiles = lambda *a, cfg=cfg: cfg
             r = bench_decode(1, 32768)
             print(f"sweep decode 1x32768   splits={splits} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} TB/s", flush=True)
-    attn.choose_num_splits, attn._tiles = original_splits, original
+    attn._tiles, attn.choose_num_splits = original_tiles, original_splits
 
 
 def main(argv: list[str] | None = None) -> int:

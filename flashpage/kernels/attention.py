@@ -2,7 +2,8 @@
 
 One kernel serves every case. A program owns BLOCK_M *rows* of one sequence and one KV head, where a row is a
 (query token, query head of that KV head's group) pair, so each K/V tile is loaded once for the whole GQA group.
-It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED) with the
+It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED; split-KV decode
+on Hopper fetches each page-sized tile with the tensor copy engine, TMA, instead of a gather) with the
 online softmax (running max m, running sum l, rescaled accumulator), in base 2. With NUM_SPLITS > 1 the key
 range is cut into that many pieces handled by separate programs (Flash-Decoding); each writes its normalised
 partial output and its log-sum-exp, and `_merge_splits` combines them.
@@ -19,6 +20,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
@@ -26,6 +28,9 @@ def _dot(a, b, UPCAST: tl.constexpr):
     # Triton 3.6's CPU interpreter multiplies bf16 operands wrongly; it gets them in fp32 (GPU code never does).
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    # float32 operands get float32 products, as torch's matmul gives by default, not TF32's 10-bit mantissas
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
 
 
@@ -34,20 +39,24 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
                   window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb,
                   stride_bt, d, d_ok,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
-        if PAGED:
+        if TMA:  # K/V are descriptors of the cache as [slots, Hkv * D]; a tile lies inside one page
+            row = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE
+            k = tl.trans(K.load([row, kv_head * stride_kh]))
+        elif PAGED:
             block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
             k_row = block * stride_kb + (kpos % PAGE_SIZE) * stride_kt
             v_row = block * stride_vb + (kpos % PAGE_SIZE) * stride_vt
         else:  # K and V may be views of one fused projection: each has its own strides
             k_row = (k_start + kpos).to(tl.int64) * stride_kt
             v_row = (k_start + kpos).to(tl.int64) * stride_vt
-        k = tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None], mask=k_ok[None, :] & d_ok[:, None],
-                    other=0.0)
+        if not TMA:
+            k = tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
+                        mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         s = _dot(q, k, UPCAST) * sm_scale_log2
         if MASKED:
             # full [M, N] from the start: the runtime ifs below must yield one type on both sides
@@ -67,8 +76,13 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        if TMA:
+            v = V.load([row, kv_head * stride_vh])
+            if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
+                v = tl.where(k_ok[:, None], v, 0.0)
+        else:
+            v = tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
@@ -84,7 +98,7 @@ def _attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Causal row tiles further down see more keys: launch those first so the short ones fill the tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -144,11 +158,11 @@ def _attention_kernel(
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
                                       k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh,
                                       stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, d, d_ok, BLOCK_M,
-                                      BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, UPCAST)
+                                      BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, TMA, UPCAST)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi, k_start,
                                   sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb,
                                   stride_vt, stride_vh, stride_vb, stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED,
-                                  PAGE_SIZE, CAUSAL, True, UPCAST)
+                                  PAGE_SIZE, CAUSAL, True, TMA, UPCAST)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if NUM_SPLITS == 1:
@@ -182,6 +196,17 @@ def _merge_splits(PartOut, PartLse, Out, stride_ps, stride_pt, stride_ph, stride
 _LOG2E = 1.4426950408889634
 
 
+def _copy_engine_can_read(cache: torch.Tensor) -> bool:
+    """Whether Hopper's tensor copy engine (TMA) can fetch [tile, D] boxes of one KV head from this cache, viewed
+    as [blocks * block_size, Hkv * D]: rows of contiguous heads, 16-byte aligned; the interpreter models it too."""
+    blocks, page, heads, dim = cache.shape
+    if cache.device.type == "cuda" and torch.cuda.get_device_capability(cache.device)[0] < 9:
+        return False
+    return (cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(0) == page * cache.stride(1)
+            and dim & (dim - 1) == 0 and (cache.stride(1) * cache.element_size()) % 16 == 0
+            and cache.data_ptr() % 16 == 0 and dim * cache.element_size() >= 16)
+
+
 def _check(q, k_or_cache, v_or_cache, window_size):
     if q.dim() != 3 or k_or_cache.shape != v_or_cache.shape:
         raise ValueError("q must be [tokens, heads, head_dim] and k/v must have equal shapes")
@@ -193,8 +218,11 @@ def _check(q, k_or_cache, v_or_cache, window_size):
         raise ValueError("window_size must be (left, right)")
 
 
-def _tiles(head_dim: int, max_seqlen_q: int, group: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape; chosen by sweeps on an H200 (bench --sweep)."""
+def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape; chosen by sweeps (bench --sweep) on an H200, and
+    on an H100 for the copy-engine decode."""
+    if max_seqlen_q * group <= 16 and tma:  # decode through the copy engine: a tile is at most one page
+        return 16, min(page, 64 if head_dim <= 128 else 32), 2, 5
     if max_seqlen_q * group <= 16:  # decode: few rows, stream keys
         return 16, 64 if head_dim <= 128 else 32, 4, 2
     if head_dim <= 128:
@@ -211,12 +239,26 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     if total_q == 0 or batch == 0:
         return out
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
-    block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group)
+    # The copy engine pays where a few programs stream long key ranges (split-KV): it keeps several pages in flight
+    # per program. Without splits, many programs per SM hide latency anyway, and its one-page tiles cost more.
+    # Its tiles are at most one page, and a tile feeds tl.dot, which needs 16 keys or more.
+    tma = (paged and max_seqlen_q * group <= 16 and num_splits > 1 and page_size >= 16
+           and _copy_engine_can_read(k) and _copy_engine_can_read(v))
+    block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group, tma, page_size)
     block_d = triton.next_power_of_2(dim)
     grid_m = triton.cdiv(max_seqlen_q * group, block_m)
     decode = block_m == 16
-    common = dict(MASK_EVERY_TILE=decode, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged,
-                  PAGE_SIZE=page_size, CAUSAL=causal, NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
+    kv_strides = (k.stride(-3), k.stride(-2), k.stride(0) if paged else 0,
+                  v.stride(-3), v.stride(-2), v.stride(0) if paged else 0)
+    if tma:
+        assert page_size % block_n == 0, "a copy-engine tile must lie inside one page"
+        k, v = (TensorDescriptor(c, [c.shape[0] * page_size, hkv * dim], [c.stride(1), 1], [block_n, dim])
+                for c in (k, v))
+    # Gather decode masks every tile (a second loop cost more than the masking); the copy-engine decode keeps the
+    # unmasked loop, where its V tiles go straight from shared memory to the tensor cores.
+    common = dict(MASK_EVERY_TILE=decode and not tma, TMA=tma, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d,
+                  BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
+                  NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     if num_splits == 1:  # the kernel normalises and writes `out` itself
         part, lse, part_strides = out, out, (0, 0, 0, 0, 0)
@@ -228,8 +270,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     _attention_kernel[(grid_m, batch, hkv * num_splits)](
         q, k, v, out, part, lse, cu_q, unused if paged else cu_k, seq_lens_k if paged else unused,
         block_table if paged else unused, scale, window_size[0], window_size[1],
-        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), k.stride(0) if paged else 0,
-        v.stride(-3), v.stride(-2), v.stride(0) if paged else 0, out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
         _merge_splits[(total_q, hq)](part, lse, out, *part_strides, out.stride(0), out.stride(1),
@@ -268,12 +309,12 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:
-    """Enough programs for about two waves of SMs, each keeping at least 64 keys (one tile); a power of two up
-    to 32. Few long programs leave most SMs idle: one program streams a few hundred GB/s at best."""
+    """Enough programs for about two waves of SMs, each keeping at least 64 keys; a power of two up to 64.
+    Few long programs leave most SMs idle: one program streams a few hundred GB/s at best."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 64, 32)
+    want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 64, 64)
     return 1 if want <= 1 else triton.next_power_of_2(want)
 
 
