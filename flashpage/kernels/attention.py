@@ -222,7 +222,7 @@ def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape; chosen by sweeps (bench --sweep) on an H200, and
     on an H100 for the copy-engine decode."""
     if max_seqlen_q * group <= 16 and tma:  # decode through the copy engine: a tile is at most one page
-        return 16, min(page, 64 if head_dim <= 128 else 32), 2, 5
+        return 16, min(page, 64 if head_dim <= 128 else 32), 1, 5
     if max_seqlen_q * group <= 16:  # decode: few rows, stream keys
         return 16, 64 if head_dim <= 128 else 32, 4, 2
     if head_dim <= 128:
