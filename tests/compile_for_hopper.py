@@ -59,9 +59,9 @@ def main() -> None:
         decode = (rand(2, 8, 128, dtype=dtype), torch.tensor([0, 1, 2], dtype=torch.int32))
         for splits in (1, 4):  # split-KV decode reads through the copy engine (TMA), also with a window
             tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=splits)
+        tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=4, window_size=(20, 0))
         small_pages = rand(16, 8, 2, 128, dtype=dtype)  # pages of 8 keys: too small for a TMA tile
         tri.paged_attention(decode[0], small_pages, small_pages, table, decode[1], lens, 1, num_splits=4)
-        tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=4, window_size=(20, 0))
         tri.paged_attention(rand(9, 8, 128, dtype=dtype), cache, cache, table, torch.tensor([0, 4, 9], dtype=torch.int32),
                             lens, 5)
         tri.reshape_and_cache(k[:3], v[:3], cache, cache, torch.tensor([5, -1, 70]))

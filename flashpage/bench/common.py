@@ -52,7 +52,7 @@ def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200, graph: bool = True) ->
 @functools.cache
 def _l2_flush():
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    buffer = torch.ones(4 * props.L2_cache_size // 4, dtype=torch.int32, device="cuda")
+    buffer = torch.ones(props.L2_cache_size, dtype=torch.int32, device="cuda")  # 4 bytes each: 4x L2
     return lambda: buffer.max()
 
 

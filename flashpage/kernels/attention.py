@@ -199,7 +199,7 @@ _LOG2E = 1.4426950408889634
 def _copy_engine_can_read(cache: torch.Tensor) -> bool:
     """Whether Hopper's tensor copy engine (TMA) can fetch [tile, D] boxes of one KV head from this cache, viewed
     as [blocks * block_size, Hkv * D]: rows of contiguous heads, 16-byte aligned; the interpreter models it too."""
-    blocks, page, heads, dim = cache.shape
+    _, page, _, dim = cache.shape
     if cache.device.type == "cuda" and torch.cuda.get_device_capability(cache.device)[0] < 9:
         return False
     return (cache.stride(3) == 1 and cache.stride(2) == dim and cache.stride(0) == page * cache.stride(1)
