@@ -91,7 +91,7 @@ PAGED_CASES = [
     ([37, 5, 300], [1, 1, 1], 16, 8, 2, 64, (-1, -1), 1),  # decode
     ([300, 129, 77], [1, 1, 1], 16, 9, 3, 64, (-1, -1), 4),  # split-KV decode; short ones leave splits empty
     ([520], [1], 32, 8, 1, 128, (-1, -1), 8),  # MQA, many splits
-    ([260, 40], [1, 1], 8, 8, 2, 64, (63, 0), 2),  # window with splits
+    ([260, 40], [1, 1], 8, 8, 2, 64, (63, 0), 3),  # window with splits, not a power of two
     ([50, 90], [13, 90], 16, 8, 2, 64, (-1, -1), 1),  # chunked prefill over a cached prefix, and a full prefill
     ([70], [33], 64, 4, 4, 128, (9, 0), 1),  # prefill with window, large block
     ([45, 61], [3, 2], 8, 12, 3, 80, (-1, -1), 1),  # a few queries each, head dim 80
@@ -117,26 +117,40 @@ def test_paged_attention_splits_agree():
     k_cache, v_cache, table, seq_lens, cu_q = paged_case([700, 333], [1, 1], 16, 2, 64, torch.float16)
     q = rand(2, 8, 64, dtype=torch.float16)
     base = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=1)
-    for splits in (2, 4, 16):
+    for splits in (2, 3, 16, 45):  # 45 splits of 44 tiles (700 keys): one split is empty
         out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits)
         assert rel_err(out, base) < 1e-3, splits
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_paged_decode_ignores_slots_past_each_sequence(splits):
-    """Slots past a sequence's end in its last block hold NaN here: the copy-engine path (split-KV decode) fetches
-    whole tiles, so it must drop those keys rather than weight them by zero."""
+@pytest.mark.parametrize("page,splits", [(8, 1), (16, 1), (16, 4)])
+def test_paged_decode_ignores_slots_past_each_sequence(page, splits):
+    """Slots past a sequence's end in its last block hold NaN here: the copy-engine path (decode on pages of 16 keys
+    or more) fetches whole tiles, so it must drop those keys rather than weight them by zero."""
     lens = [37, 5, 300, 1]
-    k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens, [1] * len(lens), 16, 2, 64, torch.bfloat16)
+    k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens, [1] * len(lens), page, 2, 64, torch.bfloat16)
     for i, n in enumerate(lens):
-        last = table[i, (n - 1) // 16]
-        k_cache[last, (n - 1) % 16 + 1:] = float("nan")
-        v_cache[last, (n - 1) % 16 + 1:] = float("nan")
+        last = table[i, (n - 1) // page]
+        k_cache[last, (n - 1) % page + 1:] = float("nan")
+        v_cache[last, (n - 1) % page + 1:] = float("nan")
     q = rand(len(lens), 8, 64, dtype=torch.bfloat16)
     out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
     expected = ref.paged_attention(q.double(), k_cache.double(), v_cache.double(), table, cu_q, seq_lens, 1)
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < TOL[torch.bfloat16]
+
+
+def test_choose_num_splits_fills_each_sm_with_four_programs(monkeypatch):
+    from flashpage.kernels import attention
+
+    monkeypatch.setattr(attention, "sm_count", lambda index: 132)  # an H100
+    gpu = torch.device("cuda", 0)
+    assert attention.choose_num_splits(1, 8, 1, 32768, gpu) == 66  # 528 programs: four on each SM
+    assert attention.choose_num_splits(8, 8, 1, 8192, gpu) == 8
+    assert attention.choose_num_splits(64, 8, 1, 4096, gpu) == 1  # the batch alone fills the GPU
+    assert attention.choose_num_splits(1, 8, 1, 640, gpu) == 20  # at least 32 keys per split
+    assert attention.choose_num_splits(1, 1, 1, 1 << 20, gpu) == 128  # the merge's limit
+    assert attention.choose_num_splits(1, 8, 4, 32768, gpu) == 1  # not a decode
+    assert attention.choose_num_splits(1, 8, 1, 32768, torch.device("cpu")) == 1
 
 
 def test_paged_attention_rejects_bad_block_size_and_heads():
@@ -145,6 +159,9 @@ def test_paged_attention_rejects_bad_block_size_and_heads():
     with pytest.raises(ValueError, match="power of two"):
         tri.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
     cache = rand(4, 16, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="num_splits"):
+        tri.paged_attention(q[:, :4], cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]),
+                            1, num_splits=0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         tri.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
 

@@ -85,13 +85,14 @@ def bench_decode(batch: int, context: int) -> dict:
 
 
 def sweep() -> None:
-    """Time a few tile shapes for each regime; prints the best (to be written into attention._tiles). Split-KV
-    decode (1x32k, 8x8k here) reads through the copy engine, whose tiles are one page (16 keys) at most."""
-    gather = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 128, 8, 3)]
-    copy_engine = [(16, 16, 2, 5), (16, 16, 1, 5), (16, 16, 2, 7), (16, 16, 4, 5)]
+    """Time a few tile shapes for each regime, then split counts for 1x32k; prints each (the best is written into
+    attention._tiles and attention.choose_num_splits). Paged decode reads through the copy engine, whose tiles are
+    one page (16 keys) at most."""
+    copy_engine = [(16, 16, 1, 4), (16, 16, 1, 5), (16, 16, 1, 6), (16, 16, 2, 5)]
     original_tiles, original_splits = attn._tiles, attn.choose_num_splits
     for label, run, cfgs in [("prefill S=4096", lambda: bench_prefill(4096), [(128, 64, 8, 3), (128, 32, 4, 3)]),
-                             ("decode 64x4096", lambda: bench_decode(64, 4096), gather),
+                             ("decode 256x1024", lambda: bench_decode(256, 1024), copy_engine),
+                             ("decode 64x4096", lambda: bench_decode(64, 4096), copy_engine),
                              ("decode 8x8192", lambda: bench_decode(8, 8192), copy_engine),
                              ("decode 1x32768", lambda: bench_decode(1, 32768), copy_engine)]:
         for cfg in cfgs:
@@ -101,13 +102,12 @@ def sweep() -> None:
                 print(f"sweep {label:16s} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} {r['unit']}", flush=True)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                 print(f"sweep {label:16s} tiles={cfg}: failed ({type(e).__name__})", flush=True)
-    for splits in (32, 64, 128):
-        for cfg in copy_engine:
-            attn.choose_num_splits = lambda *a, n=splits: n
-            attn._tiles = lambda *a, cfg=cfg: cfg
-            r = bench_decode(1, 32768)
-            print(f"sweep decode 1x32768   splits={splits} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} TB/s", flush=True)
-    attn._tiles, attn.choose_num_splits = original_tiles, original_splits
+    attn._tiles = original_tiles
+    for splits in (32, 64, 66, 128, 132):  # 66 x 8 KV heads = 4 programs on each of an H100's 132 SMs
+        attn.choose_num_splits = lambda *a, n=splits: n
+        r = bench_decode(1, 32768)
+        print(f"sweep decode 1x32768   splits={splits}: {r['ms']:.4f} ms {r['rate']:.2f} TB/s", flush=True)
+    attn.choose_num_splits = original_splits
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,8 @@
 
 One kernel serves every case. A program owns BLOCK_M *rows* of one sequence and one KV head, where a row is a
 (query token, query head of that KV head's group) pair, so each K/V tile is loaded once for the whole GQA group.
-It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED; split-KV decode
-on Hopper fetches each page-sized tile with the tensor copy engine, TMA, instead of a gather) with the
+It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED; paged decode on
+Hopper fetches each page-sized tile with the tensor copy engine, TMA, instead of a gather) with the
 online softmax (running max m, running sum l, rescaled accumulator), in base 2. With NUM_SPLITS > 1 the key
 range is cut into that many pieces handled by separate programs (Flash-Decoding); each writes its normalised
 partial output and its log-sum-exp, and `_merge_splits` combines them.
@@ -139,11 +139,11 @@ def _attention_kernel(
     if window_left >= 0:
         lo = tl.maximum(0, first_pos - window_left)
     lo = (lo // BLOCK_N) * BLOCK_N
-    if NUM_SPLITS > 1:  # this program's share of the tiles
+    if NUM_SPLITS > 1:  # this program's share of the tiles: splits differ by one tile at most
         tiles = tl.cdiv(hi - lo, BLOCK_N)
-        per_split = tl.cdiv(tiles, NUM_SPLITS)
-        lo = lo + split * per_split * BLOCK_N
-        hi = tl.minimum(hi, lo + per_split * BLOCK_N)
+        first = lo
+        lo = first + (split * tiles // NUM_SPLITS) * BLOCK_N
+        hi = tl.minimum(hi, first + ((split + 1) * tiles // NUM_SPLITS) * BLOCK_N)
     # Whole tiles below every row's diagonal need no mask (it pays where compute-bound, i.e. not for decode);
     # with a window, every tile is masked.
     unmasked_hi = lo
@@ -178,17 +178,18 @@ def _attention_kernel(
 
 @triton.jit
 def _merge_splits(PartOut, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                  NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """out = sum_s exp2(lse_s - max) * part_s / sum_s exp2(lse_s - max), one program per (token, head)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, NUM_SPLITS)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
-    lse = tl.load(PartLse + s * stride_ls + t * stride_lt + h)
+    lse = tl.load(PartLse + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
     part = tl.load(PartOut + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
-                   mask=d[None, :] < HEAD_DIM, other=0.0)
+                   mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -239,10 +240,9 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     if total_q == 0 or batch == 0:
         return out
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
-    # The copy engine pays where a few programs stream long key ranges (split-KV): it keeps several pages in flight
-    # per program. Without splits, many programs per SM hide latency anyway, and its one-page tiles cost more.
-    # Its tiles are at most one page, and a tile feeds tl.dot, which needs 16 keys or more.
-    tma = (paged and max_seqlen_q * group <= 16 and num_splits > 1 and page_size >= 16
+    # Decode reads pages through the copy engine: each program keeps several pages in flight. Its tiles are at most
+    # one page, and a tile feeds tl.dot, which needs 16 keys or more.
+    tma = (paged and max_seqlen_q * group <= 16 and page_size >= 16
            and _copy_engine_can_read(k) and _copy_engine_can_read(v))
     block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group, tma, page_size)
     block_d = triton.next_power_of_2(dim)
@@ -274,7 +274,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
         block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
         _merge_splits[(total_q, hq)](part, lse, out, *part_strides, out.stride(0), out.stride(1),
-                                     NUM_SPLITS=num_splits, HEAD_DIM=dim, BLOCK_D=block_d)
+                                     NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim,
+                                     BLOCK_D=block_d)
     return out
 
 
@@ -301,21 +302,22 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     if num_splits is None:
         num_splits = choose_num_splits(cu_seqlens_q.numel() - 1, k_cache.shape[2], max_seqlen_q,
                                        block_table.shape[1] * page, q.device)
-    elif num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
                    softmax_scale, window_size, num_splits, paged=True, page_size=page)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:
-    """Enough programs for about two waves of SMs, each keeping at least 64 keys; a power of two up to 64.
-    Few long programs leave most SMs idle: one program streams a few hundred GB/s at best."""
+    """Split-KV decode: about four programs per SM over the whole grid (batch x KV heads x splits), so every SM
+    streams an equal share, each split keeping at least 32 keys (two pages of 16); at most 128 splits (the merge
+    holds them all). One program streams a few hundred GB/s at best: few long programs leave most of the bandwidth
+    unused, and at short contexts the time is one program's chain of page loads."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    want = min(triton.cdiv(2 * sms, max(batch * kv_heads, 1)), max_seqlen_k // 64, 64)
-    return 1 if want <= 1 else triton.next_power_of_2(want)
+    return max(1, min(round(4 * sms / max(batch * kv_heads, 1)), max_seqlen_k // 32, 128))
 
 
 @functools.lru_cache
