@@ -202,9 +202,10 @@ def _merge_splits(PartOut, PartLse, Out, stride_ps, stride_pt, stride_ph, stride
 _LOG2E = 1.4426950408889634
 
 
+@functools.lru_cache
 def _before_hopper(device: torch.device) -> bool:
     """A CUDA GPU older than sm_90. CPU tensors are not: the interpreter models the copy engine, and the compile-only
-    check (tests/compile_for_hopper.py) builds for an H100."""
+    check (tests/compile_for_hopper.py) builds for an H100. Cached: it is asked on every launch."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9
 
 
