@@ -236,7 +236,7 @@ def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -
     on an H100 for the copy-engine decode."""
     if max_seqlen_q * group <= 16 and tma:  # decode through the copy engine: a tile is at most one page
         return 16, min(page, 64 if head_dim <= 128 else 32), 1, 5
-    if max_seqlen_q * group <= 16:  # decode: few rows, stream keys
+    if max_seqlen_q * group <= 16:  # gathered decode (pages of 8 keys, GPUs before Hopper): few rows, stream keys
         return 16, 64 if head_dim <= 128 else 32, 4, 2
     if head_dim <= 128:
         return 128, 64, 8, 3
