@@ -5,7 +5,8 @@
 Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens.
 Decode: paged cache (block size 16, shuffled blocks; also timed with each sequence's blocks in order) for
 B x context; SDPA reads a contiguous cache of the same size. Prints ms, TFLOP/s or TB/s, the ratio to the best
-SDPA backend and the fraction of the measured ceiling.
+SDPA backend and the fraction of the measured ceiling; for decode also how long merely reading the same pages
+takes (the copy engine fetching each page's tile for one KV head, as the decode does, with no attention).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
@@ -56,6 +60,30 @@ def sdpa_times(q, k, v, causal: bool) -> dict[str, float]:
     return times
 
 
+@triton.jit
+def _read_pages(K, V, Pages, Out, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr):
+    """Fetch PAGES pages' [PAGE, D] tiles of one KV head from K and V (descriptors of [slots, Hkv * D]) and sum
+    them, so that nothing is optimised away."""
+    kv_head = tl.program_id(1)
+    acc = tl.zeros([PAGE, D], tl.float32)
+    for i in tl.range(0, PAGES, num_stages=3):
+        row = tl.load(Pages + tl.program_id(0) * PAGES + i) * PAGE
+        acc += K.load([row, kv_head * D]).to(tl.float32) + V.load([row, kv_head * D]).to(tl.float32)
+    tl.store(Out + tl.program_id(0) * tl.num_programs(1) + kv_head, tl.sum(tl.sum(acc, 1), 0))
+
+
+def page_read_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor) -> float:
+    """The fastest of a few grids reading every page in the table once: a floor for any decode of these pages."""
+    page, hkv, dim = k_cache.shape[1:]
+    pages = table.flatten()
+    k, v = (TensorDescriptor(c, [c.shape[0] * page, hkv * dim], [hkv * dim, 1], [page, dim])
+            for c in (k_cache, v_cache))
+    out = torch.empty(pages.numel() * hkv, device=pages.device)
+    return min(median_ms(lambda n=n: _read_pages[(pages.numel() // n, hkv)](k, v, pages, out, PAGES=n, PAGE=page, D=dim,
+                                                                            num_warps=2))
+               for n in (16, 64, 256) if pages.numel() % n == 0)
+
+
 def bench_prefill(seq_len: int) -> dict:
     batch = PREFILL_TOKENS // seq_len
     q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -88,7 +116,9 @@ def bench_decode(batch: int, context: int) -> dict:
     nbytes = 2 * batch * context * HKV * D * 2  # K and V, bf16
     splits = attn.choose_num_splits(batch, HKV, 1, context, q.device)
     return {"kind": "decode", "shape": f"{batch}x{context}", "ms": ours, "rate": nbytes / ours / 1e9, "unit": "TB/s",
-            "peers_ms": peers, "num_splits": splits, "ms_blocks_in_order": ours_in_order}
+            "peers_ms": peers, "num_splits": splits, "ms_blocks_in_order": ours_in_order,
+            "ms_page_read": page_read_ms(k_cache, v_cache, table),
+            "ms_page_read_in_order": page_read_ms(k_cache, v_cache, in_order)}
 
 
 def sweep() -> None:
@@ -140,10 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         r["speedup_vs_best_sdpa"] = best_ms / r["ms"]
         print(f"{r['kind']:8s} {r['shape']:18s} {r['ms']:8.3f} {r['rate']:8.2f} {r['unit']:7s} {r['fraction_of_ceiling']:9.0%}"
               f" {best_name:>13s} {best_ms:7.3f} {r['speedup_vs_best_sdpa']:7.2f}x")
-    for r in rows:
-        if "ms_blocks_in_order" in r:
-            print(f"decode {r['shape']} with each sequence's blocks in order: {r['ms_blocks_in_order']:.4f} ms "
-                  f"({min(r['peers_ms'].values()) / r['ms_blocks_in_order']:.2f}x best SDPA)")
+    print(f"\n{'decode':14s} {'blocks':9s} {'read pages':>10s} {'flashpage':>10s} {'of read':>8s} {'best SDPA':>10s}"
+          f" {'vs flashpage':>12s}")
+    for r in (r for r in rows if r["kind"] == "decode"):
+        best_ms = min(r["peers_ms"].values())
+        for blocks, read, ours in (("shuffled", r["ms_page_read"], r["ms"]),
+                                   ("in order", r["ms_page_read_in_order"], r["ms_blocks_in_order"])):
+            print(f"{r['shape']:14s} {blocks:9s} {read:10.4f} {ours:10.4f} {read / ours:8.1%} {best_ms:10.4f}"
+                  f" {best_ms / ours:11.2f}x")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "host": platform.node(),
