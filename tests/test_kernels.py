@@ -139,6 +139,22 @@ def test_paged_decode_ignores_slots_past_each_sequence(page, splits):
     assert rel_err(out, expected) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_decode_programs_take_turns_over_sequences(monkeypatch, splits):
+    """When one program per (sequence, KV head, split) would not all run at once, each program takes every n-th
+    sequence in turn: here 4 programs at a time, so 2 (or 1) programs per KV head and split cover 5 sequences."""
+    from flashpage.kernels import attention
+
+    monkeypatch.setattr(attention, "_programs_per_wave", lambda device: 4)
+    lens = [37, 5, 300, 1, 64]
+    k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens, [1] * len(lens), 16, 2, 64, torch.bfloat16)
+    q = rand(len(lens), 8, 64, dtype=torch.bfloat16)
+    out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
+    expected = ref.paged_attention(q.double(), k_cache.double(), v_cache.double(), table, cu_q, seq_lens, 1)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < TOL[torch.bfloat16]
+
+
 def test_choose_num_splits_fills_each_sm_with_four_programs(monkeypatch):
     from flashpage.kernels import attention
 
