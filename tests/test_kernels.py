@@ -95,6 +95,7 @@ PAGED_CASES = [
     ([50, 90], [13, 90], 16, 8, 2, 64, (-1, -1), 1),  # chunked prefill over a cached prefix, and a full prefill
     ([70], [33], 64, 4, 4, 128, (9, 0), 1),  # prefill with window, large block
     ([45, 61], [3, 2], 8, 12, 3, 80, (-1, -1), 1),  # a few queries each, head dim 80
+    ([200, 33], [1, 1], 16, 6, 2, 80, (-1, -1), 5),  # split-KV decode, head dim 80: the merge's last columns
 ]
 
 

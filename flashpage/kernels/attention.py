@@ -212,14 +212,15 @@ def _attention_kernel(
 def _merge_splits(PartOut, PartLse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PDL: tl.constexpr):
-    """out = sum_s exp2(lse_s - max) * part_s / sum_s exp2(lse_s - max), one program per (token, head)."""
+    """out = sum_s exp2(lse_s - max) * part_s / sum_s exp2(lse_s - max), one program per (token, head, BLOCK_D
+    columns of the head)."""
     if PDL:  # launched early (programmatic dependent launch): wait here until the split programs' writes are done
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     lse = tl.load(PartLse + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
@@ -323,9 +324,13 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
-        _merge_splits[(total_q, hq)](part, lse, out, *part_strides, out.stride(0), out.stride(1),
-                                     NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim,
-                                     BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl)
+        # One warp per 32 columns of a head: a merge of many small programs finishes sooner after the last split
+        # (1x32k on an H100: 54.1 against 54.7 us with one 4-warp program per head; 1x4096 15.6 against 16.1).
+        merge_d = min(block_d, 32)
+        _merge_splits[(total_q, hq, triton.cdiv(dim, merge_d))](
+            part, lse, out, *part_strides, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=merge_d, PDL=pdl, launch_pdl=pdl,
+            num_warps=1)
     return out
 
 
