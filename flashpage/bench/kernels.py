@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
@@ -62,8 +61,8 @@ def sdpa_times(q, k, v, causal: bool) -> dict[str, float]:
 
 @triton.jit
 def _read_pages(K, V, Pages, Out, PAGES: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr):
-    """Fetch PAGES pages' [PAGE, D] tiles of one KV head from K and V (descriptors of [slots, Hkv * D]) and sum
-    them, so that nothing is optimised away."""
+    """Fetch PAGES pages' [PAGE, D] tiles of one KV head from K and V (attention.cache_descriptor) and sum them,
+    so that nothing is optimised away."""
     kv_head = tl.program_id(1)
     acc = tl.zeros([PAGE, D], tl.float32)
     for i in tl.range(0, PAGES, num_stages=3):
@@ -76,8 +75,7 @@ def page_read_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tens
     """The fastest of a few grids reading every page in the table once: a floor for any decode of these pages."""
     page, hkv, dim = k_cache.shape[1:]
     pages = table.flatten()
-    k, v = (TensorDescriptor(c, [c.shape[0] * page, hkv * dim], [hkv * dim, 1], [page, dim])
-            for c in (k_cache, v_cache))
+    k, v = (attn.cache_descriptor(c, page) for c in (k_cache, v_cache))  # the decode's own view of the cache
     out = torch.empty(pages.numel() * hkv, device=pages.device)
     return min(median_ms(lambda n=n: _read_pages[(pages.numel() // n, hkv)](k, v, pages, out, PAGES=n, PAGE=page, D=dim,
                                                                             num_warps=2))
