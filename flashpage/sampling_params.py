@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from flashpage.errors import ParameterError
 
 
 @dataclass
@@ -31,25 +34,28 @@ class SamplingParams:
         self.stop = list(self.stop or [])
 
         def bad(name, why):
-            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+            raise ParameterError(name, f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)
 
+        def is_real(x):  # inf and nan are refused everywhere (temperature=inf would sample uniformly)
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
         if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            bad("temperature", "must be >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_real(self.temperature) or not self.temperature >= 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
-            bad("repetition_penalty", "must be > 0")
+        if not is_real(self.repetition_penalty) or not self.repetition_penalty > 0:
+            bad("repetition_penalty", "must be a finite number > 0")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not isinstance(getattr(self, name), (int, float)) or not -2 <= getattr(self, name) <= 2:
+            if not is_real(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
         if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer or None")

@@ -55,6 +55,14 @@ def test_min_tokens_and_stop_token_ids(smollm_llm):
     stopped = smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
                                   stop_token_ids=[first[1]]), use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == first[:2] and stopped.finish_reason == "stop" and stopped.stop_reason == first[1]
+    # the stop token's text is left out of the output, as vLLM does (its id stays in token_ids)
+    assert stopped.text == smollm_llm.tokenizer.decode(first[:1])
+    tok = smollm_llm.tokenizer
+    eos = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
+    capital = smollm_llm.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    ended = smollm_llm.generate({"prompt_token_ids": capital}, eos, use_tqdm=False)[0].outputs[0]
+    assert ended.finish_reason == "stop" and ended.token_ids[-1] in smollm_llm.config.eos_token_ids
+    assert ended.text == tok.decode(ended.token_ids[:-1], skip_special_tokens=False)
 
 
 def test_context_limit_and_bad_prompts(smollm_gguf):
@@ -67,16 +75,24 @@ def test_context_limit_and_bad_prompts(smollm_gguf):
         llm.generate({"prompt_token_ids": [1, 49152]})
     with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
         llm.generate(["a"], [GREEDY, GREEDY])
-    # generation stops at the context: 30 prompt tokens leave room for 2
-    out = llm.generate({"prompt_token_ids": [504] * 30}, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    # max_tokens past the context is refused with the numbers, not clamped; max_tokens=None runs to the context
+    with pytest.raises(ValueError, match=r"prompt \(30 tokens\) plus max_tokens \(3\) is 33 tokens.*max_model_len=32"):
+        llm.generate({"prompt_token_ids": [504] * 30}, SamplingParams(max_tokens=3, ignore_eos=True))
+    out = llm.generate({"prompt_token_ids": [504] * 30}, SamplingParams(temperature=0, max_tokens=None,
+                                                                        ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2 and out[0].outputs[0].finish_reason == "length"
+    assert llm.generate({"prompt_token_ids": [504] * 30}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids == out[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="max_model_len must be in"):
         LLM(str(smollm_gguf), device="cpu", max_model_len=10**6)
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
                                          ("min_p", 2.0), ("max_tokens", 0), ("min_tokens", -1), ("seed", 1.5),
-                                         ("stop_token_ids", [-1])])
+                                         ("stop_token_ids", [-1]), ("temperature", float("inf")),
+                                         ("temperature", float("nan")), ("repetition_penalty", float("inf")),
+                                         ("top_p", float("nan")), ("min_p", float("nan")),
+                                         ("presence_penalty", float("nan")), ("frequency_penalty", float("-inf"))])
 def test_sampling_params_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})

@@ -243,20 +243,32 @@ def test_stop_strings_across_token_boundaries_and_streaming_holdback(smollm_llm)
     assert smollm_llm.stats()["num_running"] == 0
 
 
+def assert_logprob_entries_match(entries, chosen, ref, k):
+    """Each entry holds the chosen token and the true top-k under `ref` (rows of log-probabilities), every value
+    equal to ref's."""
+    assert len(entries) == len(chosen) == len(ref)
+    for entry, token, row in zip(entries, chosen, ref):
+        top = set(row.topk(k).indices.tolist())
+        assert set(entry) == top | {token}
+        for t, lp in entry.items():
+            assert isinstance(t, int) and abs(lp - row[t].item()) < 1e-4
+
+
 def test_logprobs_and_prompt_logprobs_match_transformers(smollm_llm, smollm_hf):
-    ids = smollm_llm.tokenizer.encode("The largest planet in the solar system is")
-    out = smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=6, logprobs=3,
-                                                                        prompt_logprobs=2), use_tqdm=False)[0]
+    ids = smollm_llm.tokenizer.encode("The largest planet in the solar system is Jupiter, and the smallest one is "
+                                      "Mercury. The planet closest to the Sun is also Mercury, while the one "
+                                      "farthest from it is Neptune. The hottest planet in the solar system is")
+    assert len(ids) > 2 * 16  # two full blocks: the second run's prompt is in the prefix cache
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out, again = (smollm_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0] for _ in range(2))
     gen = out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(smollm_hf(torch.tensor([ids + gen])).logits[0].double(), -1)
-    for i, (token, entry) in enumerate(zip(gen, out.outputs[0].logprobs)):
-        assert len(entry) == 3 and token in entry  # greedy: the token is its own top-1
-        assert abs(entry[token] - ref[len(ids) - 1 + i, token].item()) < 1e-4
+    assert_logprob_entries_match(out.outputs[0].logprobs, gen, ref[len(ids) - 1:-1], 3)
     assert abs(out.outputs[0].cumulative_logprob - sum(e[t] for e, t in zip(out.outputs[0].logprobs, gen))) < 1e-6
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
-    for i in range(1, len(ids)):
-        assert abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) < 1e-4
+    assert out.prompt_logprobs[0] is None
+    assert_logprob_entries_match(out.prompt_logprobs[1:], ids[1:], ref[:len(ids) - 1], 2)
+    assert again.prompt_logprobs == out.prompt_logprobs and again.outputs[0].token_ids == gen
 
 
 def reference_beam_search(model, prompt: list[int], width: int, steps: int) -> list[list[int]]:

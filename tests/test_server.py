@@ -168,6 +168,12 @@ def test_error_statuses_and_bodies(served, smollm_llm):
     assert status == 400 and body["error"]["param"] == "temperature" and "temperature" in body["error"]["message"]
     status, body = post("/v1/completions", {**ok, "prompt": [5] * 9000})
     assert status == 400 and "max_model_len" in body["error"]["message"]
+    status, body = post("/v1/completions", {**ok, "max_tokens": 100000})  # refused, not clamped to the context
+    assert status == 400 and body["error"]["param"] == "max_tokens" and "max_model_len=8192" in body["error"]["message"]
+    for field in ("temperature", "repetition_penalty", "top_p"):  # JSON's Infinity and NaN are refused
+        for value in (b"Infinity", b"NaN"):
+            status, body = post("/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field.encode(), value))
+            assert status == 400 and body["error"]["param"] == field, (field, value, body)
     status, body = post("/v1/completions", raw=b'{"prompt": "hi",')
     assert status == 400 and "malformed JSON" in body["error"]["message"]
     status, body = post("/v1/chat/completions", {"model": MODEL, "messages": []})

@@ -12,6 +12,7 @@ from flashpage.engine.runner import ModelRunner, SampledTokens
 from flashpage.engine.sampler import SampleRow, upload
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Sequence
+from flashpage.errors import ParameterError
 from flashpage.kv import PENDING, BlockManager
 from flashpage.loader import LoadedModel
 from flashpage.outputs import CompletionOutput, RequestOutput
@@ -94,18 +95,22 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
-            raise ValueError("prompt is empty")
+            raise ParameterError("prompt", "prompt is empty")
         vocab = self.config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            raise ParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
         n, limit = len(prompt_token_ids), self.cfg.max_model_len
         if n >= limit:
-            raise ValueError(f"prompt has {n} tokens, which leaves no room to generate within the model's context "
-                             f"(max_model_len={limit})")
-        longest = limit if params.max_tokens is None else min(n + params.max_tokens, limit)
+            raise ParameterError("prompt", f"prompt has {n} tokens, which leaves no room to generate within the "
+                                 f"model's context (max_model_len={limit})")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ParameterError("max_tokens", f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
+                             f"tokens, over the model's context (max_model_len={limit}); lower max_tokens or "
+                             f"shorten the prompt")
+        longest = limit if params.max_tokens is None else n + params.max_tokens
         need = -(-longest // self.cfg.block_size)
         if need > self.bm.num_blocks:
-            raise ValueError(f"request needs up to {need} KV blocks ({longest} tokens) but the cache has "
+            raise ParameterError("max_tokens", f"request needs up to {need} KV blocks ({longest} tokens) but the cache has "
                              f"{self.bm.num_blocks}; lower max_tokens or enlarge the cache")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -234,10 +239,11 @@ class LLMEngine:
         seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
             seq.logprobs.append(top)
-        if seq.detokenizer:
-            seq.text += seq.detokenizer.step(token)
         n_out = pos + 1 - seq.num_prompt_tokens
-        if not p.ignore_eos and token in self.eos_ids:  # (masked until min_tokens)
+        eos = not p.ignore_eos and token in self.eos_ids  # (masked until min_tokens, as stop tokens are)
+        if seq.detokenizer and not (eos or token in p.stop_token_ids):  # a stop token's text is not output (vLLM)
+            seq.text += seq.detokenizer.step(token)
+        if eos:
             self._finish(seq, "stop", None)
         elif token in p.stop_token_ids:
             self._finish(seq, "stop", token)
@@ -263,7 +269,7 @@ class LLMEngine:
         lp = torch.log_softmax(logits[:end - start], dim=-1)
         chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
         k = seq.params.prompt_logprobs
-        top_ids, top_lps = lp.topk(k, dim=-1) if k else (None, None)
+        top_lps, top_ids = lp.topk(k, dim=-1) if k else (None, None)
         for i, (token, value) in enumerate(zip(targets.tolist(), chosen)):
             entry = dict(zip(top_ids[i].tolist(), top_lps[i].tolist())) if k else {}
             entry[token] = value

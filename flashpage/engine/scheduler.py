@@ -73,14 +73,16 @@ class Scheduler:
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.bm.allocate_prefix(seq.seq_id, seq.token_ids)
+            # Prompt log-probs need every prompt token's logits: such a prompt is computed whole (as vLLM does).
+            lookup = seq.token_ids[:1] if seq.params.prompt_logprobs is not None else seq.token_ids
+            cached = self.bm.allocate_prefix(seq.seq_id, lookup)
             n = min(len(seq.token_ids) - cached, budget)
             if self.bm.blocks_needed(seq.seq_id, cached + n) > self.bm.num_free_blocks:
                 self.bm.free_sequence(seq.seq_id)
                 break
             self.waiting.popleft()
             if seq.num_computed == 0 and not seq.output_token_ids:  # first admission, not a recompute
-                self.prefix_queries += (len(seq.token_ids) - 1) // self.bm.block_size * self.bm.block_size
+                self.prefix_queries += (len(lookup) - 1) // self.bm.block_size * self.bm.block_size
                 self.prefix_hits += cached
             seq.status, seq.num_computed = RUNNING, cached
             self.running.append(seq)

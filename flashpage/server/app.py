@@ -169,8 +169,7 @@ def _params(body, max_tokens, logprobs):
     try:
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as e:
-        field = str(e).split(" ")[0].removeprefix("SamplingParams.")
-        raise APIError(400, str(e), "invalid_request_error", 400, field) from e
+        raise APIError(400, str(e), "invalid_request_error", 400, getattr(e, "param", None)) from e
 
 
 def _tokenize(prompt, tokenizer: Tokenizer | None) -> list[int]:
@@ -186,7 +185,7 @@ def _validate(engine: AsyncEngine, ids: list[int], params) -> None:
     try:
         engine.validate(ids, params)
     except ValueError as e:
-        raise APIError(400, str(e), "invalid_request_error", 400, "prompt") from e
+        raise APIError(400, str(e), "invalid_request_error", 400, getattr(e, "param", None)) from e
 
 
 def _overloaded(e: EngineOverloaded) -> APIError:
