@@ -3,39 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import signal
 import sys
 
-from flashpage.loader.default_model import DEFAULT_MODEL
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model directory, .gguf file, or known name (default {DEFAULT_MODEL})")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights of the model's shape")
-    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on CUDA, torch (PyTorch references) on CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV cache size in blocks (default: from memory)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+from flashpage.engine.config import EngineConfig
 
 
 def _llm(args):
     from flashpage import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, load_format=args.load_format,
-               max_model_len=args.max_model_len, kernels=args.kernels, block_size=args.block_size,
-               num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager)
+    return LLM(**dataclasses.asdict(EngineConfig.from_cli(args)))
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,15 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
     gen.add_argument("prompt")
-    _add_model_args(gen)
+    EngineConfig.add_cli_arguments(gen)
     _add_sampling_args(gen)
     chat = sub.add_parser("chat", help="answer one chat message with the model's chat template, streaming the reply")
     chat.add_argument("message")
     chat.add_argument("--system", default=None, help="an optional system message")
-    _add_model_args(chat)
+    EngineConfig.add_cli_arguments(chat)
     _add_sampling_args(chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_args(serve)
+    EngineConfig.add_cli_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")

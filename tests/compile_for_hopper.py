@@ -43,6 +43,7 @@ def main() -> None:
     driver.set_active(CompileOnlyDriver())
     jit.JITFunction.run = compile_only(jit.JITFunction.run)
     from flashpage.kernels import triton_ops as tri
+    from flashpage.kv import KVCache
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape).to(dtype)
@@ -58,20 +59,20 @@ def main() -> None:
         lens = torch.tensor([50, 33], dtype=torch.int32)
         decode = (rand(2, 8, 128, dtype=dtype), torch.tensor([0, 1, 2], dtype=torch.int32))
         for splits in (1, 4):  # split-KV decode reads through the copy engine (TMA), also with a window
-            tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=splits)
-        tri.paged_attention(decode[0], cache, cache, table, decode[1], lens, 1, num_splits=4, window_size=(20, 0))
+            tri.paged_attention(decode[0], KVCache(cache, cache), table, decode[1], lens, 1, num_splits=splits)
+        tri.paged_attention(decode[0], KVCache(cache, cache), table, decode[1], lens, 1, num_splits=4, window_size=(20, 0))
         small_pages = rand(16, 8, 2, 128, dtype=dtype)  # pages of 8 keys: too small for a TMA tile
-        tri.paged_attention(decode[0], small_pages, small_pages, table, decode[1], lens, 1, num_splits=4)
-        tri.paged_attention(rand(9, 8, 128, dtype=dtype), cache, cache, table, torch.tensor([0, 4, 9], dtype=torch.int32),
+        tri.paged_attention(decode[0], KVCache(small_pages, small_pages), table, decode[1], lens, 1, num_splits=4)
+        tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), table, torch.tensor([0, 4, 9], dtype=torch.int32),
                             lens, 5)
-        tri.reshape_and_cache(k[:3], v[:3], cache, cache, torch.tensor([5, -1, 70]))
+        tri.reshape_and_cache(k[:3], v[:3], KVCache(cache, cache), torch.tensor([5, -1, 70]))
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms
         x, w = rand(3, 256, dtype=dtype), rand(256, dtype=dtype)
         tri.rms_norm(x, w, 1e-5)
         tri.silu_and_mul(rand(3, 512, dtype=dtype))
         cos_sin = rand(40, 128, dtype=dtype)
         tri.rope_and_cache(q, k, cos_sin, cos_sin)
-        tri.rope_and_cache(q, k, cos_sin, cos_sin, v, cache, cache, torch.arange(40))
+        tri.rope_and_cache(q, k, cos_sin, cos_sin, v, KVCache(cache, cache), torch.arange(40))
         weight = rand(64, 256, dtype=dtype)
         tri.linear(x, weight)
         tri.linear(x, weight, rand(64, dtype=dtype), residual=rand(3, 64, dtype=dtype))
@@ -83,7 +84,7 @@ def main() -> None:
     tri.flash_attn_varlen(q, k, k, cu, cu, 23, 23)
     cache = rand(8, 16, 2, 64, dtype=torch.float32)
     for splits in (1, 4):
-        tri.paged_attention(q[:2], cache, cache, torch.arange(8, dtype=torch.int32).view(2, 4),
+        tri.paged_attention(q[:2], KVCache(cache, cache), torch.arange(8, dtype=torch.int32).view(2, 4),
                             torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([50, 33], dtype=torch.int32), 1,
                             num_splits=splits)
     # sampling (float32 logits), with and without the top-k / top-p search, and the penalties

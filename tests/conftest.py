@@ -96,8 +96,9 @@ def tiny_checkpoints(tmp_path_factory):
 
 def engine_from(llm, **cfg):
     """A second engine over the session's already-loaded model (no reload)."""
-    from flashpage.engine.llm_engine import EngineConfig, LLMEngine
+    from flashpage.engine.config import EngineConfig
+    from flashpage.engine.llm_engine import LLMEngine
     from flashpage.loader import LoadedModel
 
     loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
-    return LLMEngine(loaded, EngineConfig(**{"max_model_len": llm.max_model_len, **cfg}))
+    return LLMEngine(EngineConfig(**{"device": "cpu", **cfg}), loaded)

@@ -22,7 +22,7 @@ def test_peers_match_the_model():
         p.mul_(5)
     prompt = torch.randint(cfg.vocab_size, (1, 23))
     with torch.inference_mode():
-        ours = model.compute_logits(model(prompt[0], torch.arange(23), AttentionMetadata.prefill([23])))
+        ours = model.compute_logits(model(prompt[0], AttentionMetadata.prefill([23])))
         hf = to_transformers(model)(prompt).logits[0].float()
         assert rel_err(hf, ours) < 1e-5
         net = StaticLlama(model, batch=1, max_len=40)

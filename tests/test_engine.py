@@ -10,7 +10,8 @@ import torch
 from conftest import chi2_limit, engine_from
 from flashpage import BeamSearchParams, SamplingParams
 from flashpage.config import ModelConfig
-from flashpage.engine.llm_engine import EngineConfig, LLMEngine
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
 from flashpage.kernels import reference as ref
 from flashpage.loader import LoadedModel, build_empty, init_dummy_weights
 
@@ -22,9 +23,7 @@ def tiny_engine(max_model_len: int = 4096, seed: int = 0, device: str = "cpu", *
                          max_position_embeddings=max_model_len)
     model = build_empty(config, torch.float32, torch.device(device))
     init_dummy_weights(model, seed)
-    if device == "cuda":
-        cfg.setdefault("kernels", "triton")
-    return LLMEngine(LoadedModel(config, model, None), EngineConfig(max_model_len=max_model_len, **cfg))
+    return LLMEngine(EngineConfig(max_model_len=max_model_len, device=device, **cfg), LoadedModel(config, model, None))
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params, on_step=None):

@@ -11,6 +11,7 @@ import torch
 from conftest import DEVICE, rel_err
 from flashpage.kernels import reference as ref
 from flashpage.kernels import triton_ops as tri
+from flashpage.kv import KVCache
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 2e-3}
 
@@ -105,9 +106,9 @@ def test_paged_attention(lens_k, lens_q, page, hq, hkv, dim, window, splits, dty
     k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens_k, lens_q, page, hkv, dim, dtype,
                                                          shared_prefix_blocks=1 if len(lens_k) > 1 else 0)
     q = rand(sum(lens_q), hq, dim, dtype=dtype)
-    out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, max(lens_q), window_size=window,
+    out = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, max(lens_q), window_size=window,
                               num_splits=splits, out=nan_like(q))
-    expected = ref.paged_attention(q.double(), k_cache.double(), v_cache.double(), table, cu_q, seq_lens, max(lens_q),
+    expected = ref.paged_attention(q.double(), KVCache(k_cache.double(), v_cache.double()), table, cu_q, seq_lens, max(lens_q),
                                    window_size=window)
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < TOL[dtype]
@@ -117,9 +118,9 @@ def test_paged_attention_splits_agree():
     """Split-KV merging gives the unsplit answer to rounding, for every split count."""
     k_cache, v_cache, table, seq_lens, cu_q = paged_case([700, 333], [1, 1], 16, 2, 64, torch.float16)
     q = rand(2, 8, 64, dtype=torch.float16)
-    base = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=1)
+    base = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, 1, num_splits=1)
     for splits in (2, 3, 16, 45):  # 45 splits of 44 tiles (700 keys): one split is empty
-        out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits)
+        out = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, 1, num_splits=splits)
         assert rel_err(out, base) < 1e-3, splits
 
 
@@ -134,8 +135,8 @@ def test_paged_decode_ignores_slots_past_each_sequence(page, splits):
         k_cache[last, (n - 1) % page + 1:] = float("nan")
         v_cache[last, (n - 1) % page + 1:] = float("nan")
     q = rand(len(lens), 8, 64, dtype=torch.bfloat16)
-    out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
-    expected = ref.paged_attention(q.double(), k_cache.double(), v_cache.double(), table, cu_q, seq_lens, 1)
+    out = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
+    expected = ref.paged_attention(q.double(), KVCache(k_cache.double(), v_cache.double()), table, cu_q, seq_lens, 1)
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < TOL[torch.bfloat16]
 
@@ -150,8 +151,8 @@ def test_paged_decode_programs_take_turns_over_sequences(monkeypatch, splits):
     lens = [37, 5, 300, 1, 64]
     k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens, [1] * len(lens), 16, 2, 64, torch.bfloat16)
     q = rand(len(lens), 8, 64, dtype=torch.bfloat16)
-    out = tri.paged_attention(q, k_cache, v_cache, table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
-    expected = ref.paged_attention(q.double(), k_cache.double(), v_cache.double(), table, cu_q, seq_lens, 1)
+    out = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
+    expected = ref.paged_attention(q.double(), KVCache(k_cache.double(), v_cache.double()), table, cu_q, seq_lens, 1)
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < TOL[torch.bfloat16]
 
@@ -174,13 +175,13 @@ def test_paged_attention_rejects_bad_block_size_and_heads():
     q = rand(1, 6, 64, dtype=torch.float16)
     cache = rand(4, 12, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="power of two"):
-        tri.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
+        tri.paged_attention(q, KVCache(cache, cache), torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
     cache = rand(4, 16, 4, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="num_splits"):
-        tri.paged_attention(q[:, :4], cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]),
+        tri.paged_attention(q[:, :4], KVCache(cache, cache), torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]),
                             1, num_splits=0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
-        tri.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
+        tri.paged_attention(q, KVCache(cache, cache), torch.zeros(1, 4, dtype=torch.int32), cu([1]), torch.tensor([3]), 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -190,7 +191,7 @@ def test_reshape_and_cache(dtype):
     v_cache = k_cache.clone()
     slots = torch.tensor([0, 17, -1, 95, 40, 41], device=DEVICE)  # -1 is padding
     k, v = rand(6, hkv, dim, dtype=dtype), rand(6, hkv, dim, dtype=dtype)
-    tri.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    tri.reshape_and_cache(k, v, KVCache(k_cache, v_cache), slots)
     flat_k, flat_v = k_cache.view(-1, hkv, dim), v_cache.view(-1, hkv, dim)
     keep = slots >= 0
     assert torch.equal(flat_k[slots[keep]], k[keep]) and torch.equal(flat_v[slots[keep]], v[keep])

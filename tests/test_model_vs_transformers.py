@@ -23,7 +23,7 @@ PROMPTS = [
 def our_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         t = torch.tensor(ids)
-        return model.compute_logits(model(t, torch.arange(len(ids)), AttentionMetadata.prefill([len(ids)])))
+        return model.compute_logits(model(t, AttentionMetadata.prefill([len(ids)])))
 
 
 def test_smollm_gguf_logits_match_transformers(smollm_llm, smollm_hf):
@@ -40,9 +40,8 @@ def test_smollm_varlen_batch_equals_single_sequences(smollm_llm):
     model, tok = smollm_llm.engine.runner.model, smollm_llm.tokenizer
     seqs = [tok.encode(p) for p in PROMPTS]
     flat = torch.tensor([t for s in seqs for t in s])
-    positions = torch.cat([torch.arange(len(s)) for s in seqs])
     with torch.no_grad():
-        batched = model.compute_logits(model(flat, positions, AttentionMetadata.prefill([len(s) for s in seqs])))
+        batched = model.compute_logits(model(flat, AttentionMetadata.prefill([len(s) for s in seqs])))
     for chunk, s in zip(batched.split([len(s) for s in seqs]), seqs):
         assert rel_err(chunk, our_logits(model, s)) <= 1e-5
 

@@ -21,6 +21,7 @@ import torch
 from flashpage.bench.common import copy_bandwidth_tbs, median_ms
 from flashpage.kernels import reference as ref
 from flashpage.kernels import triton_ops as tri
+from flashpage.kv import KVCache
 
 HIDDEN, INTER, HQ, HKV, D, VOCAB = 4096, 14336, 32, 8, 128, 128256
 
@@ -41,7 +42,7 @@ def cases(tokens: int):
     yield ("silu_and_mul", tri.silu_and_mul, ref.silu_and_mul, 3 * tokens * INTER * 2, lambda: (rnd(tokens, 2 * INTER),))
     yield ("rope_and_cache", tri.rope_and_cache, torch_rope_and_cache, 2 * tokens * (HQ + 2 * HKV) * D * 2 + 2 * tokens * HKV * D * 2,
            lambda: (rnd(tokens, HQ, D), rnd(tokens, HKV, D), rnd(tokens, D), rnd(tokens, D), rnd(tokens, HKV, D),
-                    rnd(blocks, 16, HKV, D), rnd(blocks, 16, HKV, D), slots))
+                    KVCache(rnd(blocks, 16, HKV, D), rnd(blocks, 16, HKV, D)), slots))
     full = lambda v, dt: torch.full((sample_rows,), v, dtype=dt, device=dev)  # noqa: E731
     yield (f"sample x{sample_rows} (top-p 0.9, top-k 50)", tri.sample, torch_sample, sample_rows * VOCAB * 4,
            lambda: (rnd(sample_rows, VOCAB, dtype=torch.float32), full(0.8, torch.float32), full(50, torch.int32),
@@ -52,10 +53,10 @@ def with_residual(linear):
     return lambda x, weight, residual: linear(x, weight, residual=residual)
 
 
-def torch_rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, slots):
+def torch_rope_and_cache(q, k, cos, sin, v, kv_cache, slots):
     q, k = ref.rope_and_cache(q, k, cos, sin)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    kv_cache.k.view(-1, *kv_cache.k.shape[2:]).index_copy_(0, slots, k)
+    kv_cache.v.view(-1, *kv_cache.v.shape[2:]).index_copy_(0, slots, v)
     return q, k
 
 

@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
+from flashpage.kv import KVCache
 
 HQ, HKV, D = 32, 8, 128
 PREFILL_TOKENS = 16384
@@ -82,13 +83,13 @@ def page_read_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tens
                for n in (16, 64, 256) if pages.numel() % n == 0)
 
 
-def bench_prefill(seq_len: int) -> dict:
+def bench_prefill(seq_len: int, tiles=None) -> dict:
     batch = PREFILL_TOKENS // seq_len
     q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.arange(0, PREFILL_TOKENS + 1, seq_len, device="cuda", dtype=torch.int32)
-    ours = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True))
+    ours = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, tiles=tiles))
     to_bhsd = lambda x: x.view(batch, seq_len, -1, D).transpose(1, 2)  # noqa: E731
     peers = sdpa_times(to_bhsd(q), to_bhsd(k), to_bhsd(v), causal=True)
     flops = 4 * batch * HQ * seq_len * seq_len * D / 2  # two matmuls, half the square (causal)
@@ -96,7 +97,7 @@ def bench_prefill(seq_len: int) -> dict:
             "unit": "TFLOP/s", "peers_ms": peers}
 
 
-def bench_decode(batch: int, context: int) -> dict:
+def bench_decode(batch: int, context: int, tiles=None, num_splits=None) -> dict:
     blocks_per_seq = context // BLOCK
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -105,14 +106,15 @@ def bench_decode(batch: int, context: int) -> dict:
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    ours = median_ms(lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 1))
+    cache = KVCache(k_cache, v_cache)
+    splits = num_splits or attn.choose_num_splits(batch, HKV, 1, context, q.device)
+    ours = median_ms(lambda: paged_attention(q, cache, table, cu, lens, 1, num_splits=splits, tiles=tiles))
     # each sequence's blocks next to each other in memory, as a fresh cache hands out a prompt's: what scattering costs
     in_order = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
-    ours_in_order = median_ms(lambda: paged_attention(q, k_cache, v_cache, in_order, cu, lens, 1))
+    ours_in_order = median_ms(lambda: paged_attention(q, cache, in_order, cu, lens, 1, num_splits=splits, tiles=tiles))
     kc = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.bfloat16)
     peers = sdpa_times(q[:, :, None, :], kc, torch.randn_like(kc), causal=False)
     nbytes = 2 * batch * context * HKV * D * 2  # K and V, bf16
-    splits = attn.choose_num_splits(batch, HKV, 1, context, q.device)
     return {"kind": "decode", "shape": f"{batch}x{context}", "ms": ours, "rate": nbytes / ours / 1e9, "unit": "TB/s",
             "peers_ms": peers, "num_splits": splits, "ms_blocks_in_order": ours_in_order,
             "ms_page_read": page_read_ms(k_cache, v_cache, table),
@@ -124,25 +126,20 @@ def sweep() -> None:
     attention._tiles and attention.choose_num_splits). Paged decode reads through the copy engine, whose tiles are
     one page (16 keys) at most."""
     copy_engine = [(16, 16, 1, 4), (16, 16, 1, 5), (16, 16, 1, 6), (16, 16, 2, 5)]
-    original_tiles, original_splits = attn._tiles, attn.choose_num_splits
-    for label, run, cfgs in [("prefill S=4096", lambda: bench_prefill(4096), [(128, 64, 8, 3), (128, 32, 4, 3)]),
-                             ("decode 256x1024", lambda: bench_decode(256, 1024), copy_engine),
-                             ("decode 64x4096", lambda: bench_decode(64, 4096), copy_engine),
-                             ("decode 8x8192", lambda: bench_decode(8, 8192), copy_engine),
-                             ("decode 1x32768", lambda: bench_decode(1, 32768), copy_engine)]:
+    for label, run, cfgs in [("prefill S=4096", lambda t: bench_prefill(4096, t), [(128, 64, 8, 3), (128, 32, 4, 3)]),
+                             ("decode 256x1024", lambda t: bench_decode(256, 1024, t), copy_engine),
+                             ("decode 64x4096", lambda t: bench_decode(64, 4096, t), copy_engine),
+                             ("decode 8x8192", lambda t: bench_decode(8, 8192, t), copy_engine),
+                             ("decode 1x32768", lambda t: bench_decode(1, 32768, t), copy_engine)]:
         for cfg in cfgs:
-            attn._tiles = lambda *a, cfg=cfg: cfg
             try:
-                r = run()
+                r = run(cfg)
                 print(f"sweep {label:16s} tiles={cfg}: {r['ms']:.3f} ms {r['rate']:.2f} {r['unit']}", flush=True)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is just skipped
                 print(f"sweep {label:16s} tiles={cfg}: failed ({type(e).__name__})", flush=True)
-    attn._tiles = original_tiles
     for splits in (32, 64, 66, 128, 132):  # 66 x 8 KV heads = 4 programs on each of an H100's 132 SMs
-        attn.choose_num_splits = lambda *a, n=splits: n
-        r = bench_decode(1, 32768)
+        r = bench_decode(1, 32768, num_splits=splits)
         print(f"sweep decode 1x32768   splits={splits}: {r['ms']:.4f} ms {r['rate']:.2f} TB/s", flush=True)
-    attn.choose_num_splits = original_splits
 
 
 def main(argv: list[str] | None = None) -> int:

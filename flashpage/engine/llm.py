@@ -5,11 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
-import torch
 from tqdm.auto import tqdm
 
-from flashpage.engine.llm_engine import EngineConfig, LLMEngine, streamable_end
-from flashpage.loader import load_model
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine, streamable_end
 from flashpage.loader.default_model import DEFAULT_MODEL
 from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from flashpage.sampling_params import BeamSearchParams, SamplingParams
@@ -18,28 +17,13 @@ PromptType = str | dict | list[int]
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype="auto", device: str = "auto", seed: int = 0,
-                 load_format: str = "auto", max_model_len: int | None = None, kernels: str = "auto",
-                 block_size: int = 16, num_gpu_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_gb: float = 1.0, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False):
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if kernels == "auto":  # Triton kernels on the GPU; on CPU the interpreter would be far too slow
-            kernels = "triton" if str(device).startswith("cuda") else "torch"
-        loaded = load_model(model, load_format=load_format, dtype=dtype, device=device, seed=seed)
-        limit = loaded.config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
+    def __init__(self, model: str = DEFAULT_MODEL, **settings):
+        """`settings`: any EngineConfig field (flashpage/engine/config.py lists them with their defaults)."""
+        self.engine = LLMEngine(EngineConfig.from_settings(model=model, **settings))
         self.model_name = model
-        self.config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.max_model_len = max_model_len or limit
-        self.engine = LLMEngine(loaded, EngineConfig(
-            max_model_len=self.max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, cpu_kv_cache_gb=cpu_kv_cache_gb, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            kernels=kernels, enforce_eager=enforce_eager), seed=seed)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

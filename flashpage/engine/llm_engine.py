@@ -1,4 +1,8 @@
-"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out."""
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+A step is one `StepPlan` from the scheduler, run by the runner in one call; the engine only applies what comes
+back: appends tokens, checks stops, builds outputs.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,13 @@ import itertools
 import random
 from dataclasses import dataclass, field
 
-import torch
-
-from flashpage.engine.runner import ModelRunner, SampledTokens
-from flashpage.engine.sampler import SampleRow, upload
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.runner import ModelRunner, StepFuture
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Sequence
+from flashpage.engine.step import SampledToken
 from flashpage.errors import ParameterError
-from flashpage.kv import PENDING, BlockManager
+from flashpage.kv import BlockManager
 from flashpage.loader import LoadedModel
 from flashpage.outputs import CompletionOutput, RequestOutput
 from flashpage.sampling_params import SamplingParams
@@ -21,26 +24,9 @@ from flashpage.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
-class EngineConfig:
-    max_model_len: int
-    block_size: int = 16
-    num_gpu_blocks: int | None = None  # KV cache size in blocks; by default from the memory settings below
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the GPU's memory flashpage may fill
-    cpu_kv_cache_gb: float = 1.0  # CPU: KV cache size
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    kernels: str = "torch"  # "triton" or "torch" (the PyTorch references)
-    enforce_eager: bool = False  # CUDA: no graphs, every step eager
-    overlap: bool = True  # schedule and launch step N+1 before reading back step N's tokens
-
-
-@dataclass
 class InFlight:
     """A launched step whose tokens are still on their way back."""
-    seqs: list[Sequence]  # one per sampled row
-    positions: list[int]  # where each row's token goes in its sequence's token_ids
-    result: SampledTokens
+    future: StepFuture
     overlap: bool  # the next step may be scheduled before this one is read back
 
 
@@ -51,47 +37,31 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    forked: bool = False
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, seed: int = 0):
-        if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {cfg.block_size}")
-        if cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.cfg, self.config, self.tokenizer = cfg, loaded.config, loaded.tokenizer
-        num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit(loaded, cfg)
-        if num_blocks < 1:
-            raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
-        self.runner = ModelRunner(loaded, num_blocks, cfg.block_size, cfg.kernels, cfg.max_num_seqs,
-                                  cfg.max_model_len, cfg.enforce_eager)
-        self.bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.rng = random.Random(seed)  # seeds of unseeded requests
+    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
+        """Builds the runner (which loads `cfg.model`, or serves `loaded`), the block manager and the scheduler."""
+        self.runner = ModelRunner(cfg, loaded)
+        self.cfg = cfg = self.runner.cfg  # device, kernels and max_model_len resolved
+        self.config, self.tokenizer = self.runner.config, self.runner.tokenizer
+        self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self.rng = random.Random(cfg.seed)  # seeds of unseeded requests
         self.in_flight: InFlight | None = None
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
-        self.eos_ids = set(loaded.config.eos_token_ids)
+        self.eos_ids = set(self.config.eos_token_ids)
         self.num_aborted = 0  # requests stopped before they finished
 
-    @staticmethod
-    def _blocks_that_fit(loaded: LoadedModel, cfg: EngineConfig) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(loaded, cfg.block_size)
-        device = next(loaded.model.parameters()).device
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total
-        else:
-            budget = cfg.cpu_kv_cache_gb * 2**30
-        useful = cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size)  # more could never be used
-        return int(min(budget // per_block, useful))
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_model_len
 
     # ----- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if the request can never run; changes nothing."""
+        """Raise ValueError (a ParameterError naming the field) if the request can never run; changes nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
         if not prompt_token_ids:
@@ -104,14 +74,14 @@ class LLMEngine:
             raise ParameterError("prompt", f"prompt has {n} tokens, which leaves no room to generate within the "
                                  f"model's context (max_model_len={limit})")
         if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ParameterError("max_tokens", f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens} "
-                             f"tokens, over the model's context (max_model_len={limit}); lower max_tokens or "
-                             f"shorten the prompt")
+            raise ParameterError("max_tokens", f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                                 f"{n + params.max_tokens} tokens, over the model's context (max_model_len={limit}); "
+                                 f"lower max_tokens or shorten the prompt")
         longest = limit if params.max_tokens is None else n + params.max_tokens
         need = -(-longest // self.cfg.block_size)
         if need > self.bm.num_blocks:
-            raise ParameterError("max_tokens", f"request needs up to {need} KV blocks ({longest} tokens) but the cache has "
-                             f"{self.bm.num_blocks}; lower max_tokens or enlarge the cache")
+            raise ParameterError("max_tokens", f"request needs up to {need} KV blocks ({longest} tokens) but the "
+                                 f"cache has {self.bm.num_blocks}; lower max_tokens or enlarge the cache")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
@@ -119,15 +89,18 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, prompt, list(prompt_token_ids), params)
-        req.seqs.append(self._new_sequence(req, 0, next(self._arrivals)))
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
+        req.seqs = [self._new_sequence(req, index, seed) for index in range(params.n)]
+        req.seqs[0].forks = req.seqs[1:]  # forked off the first once its prompt is computed, sharing its blocks
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
 
-    def _new_sequence(self, req: Request, index: int, arrival: int) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, seed: int) -> Sequence:
         p = req.params
         seq = Sequence(
             seq_id=next(self._seq_ids), request_id=req.request_id, index=index, token_ids=list(req.prompt_token_ids),
-            num_prompt_tokens=len(req.prompt_token_ids), params=p, arrival=arrival,
+            num_prompt_tokens=len(req.prompt_token_ids), params=p, seed=seed,
+            stop_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids)),
             detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
             if self.tokenizer else None,
             logprobs=[] if p.logprobs is not None else None,
@@ -151,13 +124,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.requests)
+
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch; return the outputs of the requests advanced by the batch launched
         before it (finished ones flagged). With overlap, the host schedules this step while the GPU still runs
         the last one, whose tokens this step reads on the device; otherwise a step is read back at once."""
-        batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch.seqs else None
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan.seqs:
+            # Penalties need every earlier token on the host before the next step samples.
+            overlap = self.cfg.overlap and not any(s.row.params.uses_penalties for s in plan.samples)
+            launched = InFlight(self.runner.step(plan), overlap)
         outputs = self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
         if launched and not launched.overlap:
@@ -165,80 +145,31 @@ class LLMEngine:
             self.in_flight = None
         return outputs
 
-    def _launch(self, batch) -> InFlight:
-        logits, prompt_logits = self.runner.execute(batch)
-        for seq_id, pl in prompt_logits.items():
-            self._record_prompt_logprobs(self.seqs[seq_id], pl, next(s for s in batch.seqs if s.seq_id == seq_id).start)
-        rows, seqs = [], []
-        for row, s in enumerate(s for s in batch.seqs if s.sample):
-            seq = self.seqs[s.seq_id]
-            rows.append(row)
-            seqs.append(seq)
-            req = self.requests[seq.request_id]
-            if req.params.n > 1 and not req.forked:  # the prompt is done: fork the other samples off it
-                req.forked = True
-                for index in range(1, req.params.n):
-                    child = self._new_sequence(req, index, seq.arrival)
-                    req.seqs.append(child)
-                    self.scheduler.fork(seq, child)
-                    rows.append(row)
-                    seqs.append(child)
-        if rows != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
-            logits = logits.index_select(0, upload(rows, torch.int64, logits.device))
-        sample_rows = [SampleRow(s.params, s.token_ids, len(s.token_ids) - s.num_prompt_tokens, self._seed(s))
-                       for s in seqs]
-        result = self.runner.sample(logits, sample_rows, [self._blocked_tokens(s) for s in seqs],
-                                    [s.seq_id for s in seqs])
-        positions = []
-        for seq in seqs:  # the token is PENDING until read back; the next step may already compute on it
-            positions.append(len(seq.token_ids))
-            seq.token_ids.append(PENDING)
-            seq.num_pending += 1
-            n_out = len(seq.token_ids) - seq.num_prompt_tokens
-            seq.last_pending = (seq.params.max_tokens is not None and n_out >= seq.params.max_tokens) or \
-                len(seq.token_ids) >= self.cfg.max_model_len
-        # Penalties need every earlier token on the host before the next step samples.
-        overlap = self.cfg.overlap and not any(s.params.uses_penalties for s in seqs)
-        return InFlight(seqs, positions, result, overlap)
-
-    def _seed(self, seq: Sequence) -> int:
-        """This step's random seed for a sequence: from the request's seed, sample index and position if it has
-        one (so its tokens do not depend on what else runs), else from the engine's generator."""
-        if seq.params.seed is None:
-            return self.rng.getrandbits(63)
-        return hash((seq.params.seed, seq.index, len(seq.token_ids))) % 2**63
-
-    def _blocked_tokens(self, seq: Sequence) -> list[int]:
-        """Tokens the sequence may not pick yet: its stop tokens before min_tokens."""
-        p = seq.params
-        if len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_ids))
-
     def _read_back(self, step: InFlight) -> list[RequestOutput]:
-        tokens, logprobs, top_ids, top_lps = step.result.wait()
+        result = step.future.result()
         advanced = {}
-        for i, (seq, pos, token, lp) in enumerate(zip(step.seqs, step.positions, tokens, logprobs)):
-            if seq.finished:
-                continue  # finished (or aborted) while this step ran: the token is dropped
-            seq.token_ids[pos] = token
-            seq.num_pending -= 1
-            self.bm.token_known(seq.seq_id, seq.token_ids, pos)
-            top = None
-            if seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                top = dict(zip(top_ids[i][:k], top_lps[i][:k])) if k else {}
-                top[token] = lp
-            self._append(seq, pos, token, lp, top)
-            advanced[seq.request_id] = self.requests[seq.request_id]
+        for seq_id, entries in result.prompt_logprobs.items():
+            if seq_id in self.seqs:
+                self.seqs[seq_id].prompt_logprobs += entries
+        for seq_id, tokens in result.sampled.items():
+            seq = self.seqs.get(seq_id)
+            for sampled in tokens:
+                if seq is None or seq.finished:
+                    break  # finished (or aborted) while this step ran: the token is dropped
+                self._append(seq, sampled)
+                advanced[seq.request_id] = self.requests[seq.request_id]
         return [self._output(req) for req in advanced.values()]
 
-    def _append(self, seq: Sequence, pos: int, token: int, logprob: float, top: dict | None) -> None:
-        """Account for the token now known at `pos` (later positions may still be pending)."""
-        p = seq.params
-        seq.cumulative_logprob += logprob
+    def _append(self, seq: Sequence, sampled: SampledToken) -> None:
+        """Put a sampled token in its PENDING place (later positions may still be pending) and check stops."""
+        p, token = seq.params, sampled.token_id
+        pos = seq.num_known
+        seq.token_ids[pos] = token
+        seq.num_pending -= 1
+        self.scheduler.commit(seq)
+        seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(top)
+            seq.logprobs.append({**sampled.top, token: sampled.logprob})
         n_out = pos + 1 - seq.num_prompt_tokens
         eos = not p.ignore_eos and token in self.eos_ids  # (masked until min_tokens, as stop tokens are)
         if seq.detokenizer and not (eos or token in p.stop_token_ids):  # a stop token's text is not output (vLLM)
@@ -260,23 +191,8 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
 
-    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
-        """logits[i] predicts prompt token start + i + 1."""
-        end = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
-        if end <= start or len(seq.prompt_logprobs) != start + 1:
-            return
-        targets = torch.tensor(seq.token_ids[start + 1:end + 1], device=logits.device)
-        lp = torch.log_softmax(logits[:end - start], dim=-1)
-        chosen = lp.gather(-1, targets[:, None])[:, 0].tolist()
-        k = seq.params.prompt_logprobs
-        top_lps, top_ids = lp.topk(k, dim=-1) if k else (None, None)
-        for i, (token, value) in enumerate(zip(targets.tolist(), chosen)):
-            entry = dict(zip(top_ids[i].tolist(), top_lps[i].tolist())) if k else {}
-            entry[token] = value
-            seq.prompt_logprobs.append(entry)
-
     def _output(self, req: Request) -> RequestOutput:
-        finished = all(s.finished for s in req.seqs) and (req.forked or req.params.n == 1)
+        finished = all(s.finished for s in req.seqs)
         outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
                                     s.cumulative_logprob, s.logprobs) for s in req.seqs]
         if finished:

@@ -1,15 +1,15 @@
-"""ModelRunner: owns the model, the paged KV cache and the CUDA graphs; runs one SchedulerOutput as one forward
-pass, samples it, and starts copying the sampled tokens back.
+"""ModelRunner: loads the model, owns the paged KV cache and the CUDA graphs, and runs one StepPlan in one call:
+block copies, inputs, forward pass, logits, prompt log-probs, sampling, and the start of the read-back.
 
-Nothing here waits for the GPU except `SampledTokens.wait()`, the one read-back per step. A step's inputs are
-built on the host and uploaded in one asynchronous copy. A token the previous step is still sampling (PENDING)
-is read on the device from that step's output, so the host can prepare step N+1 while the GPU runs step N.
-Decode steps (one new token per sequence) replay a CUDA graph captured for the next batch size up the ladder;
-prefill and mixed steps run eagerly.
+Nothing here waits for the GPU except `StepFuture.result()`, the one read-back per step. A token the previous
+step is still sampling is read on the device from that step's sampled tokens (the plan names the row), so the
+host can prepare step N+1 while the GPU runs step N. Decode steps (one new token per sequence) replay a CUDA
+graph captured for the next batch size up the ladder; prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -17,10 +17,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from flashpage.engine.sampler import SampleRow, sample_rows, upload
-from flashpage.engine.scheduler import SchedulerOutput
-from flashpage.kv import PENDING
-from flashpage.loader import LoadedModel
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.inputs import prepare_inputs, upload
+from flashpage.engine.sampler import sample_rows
+from flashpage.engine.step import SampledToken, SampleSpec, StepPlan, StepResult
+from flashpage.kv import allocate_kv_caches, kv_bytes_per_block
+from flashpage.loader import LoadedModel, load_model
 from flashpage.model import AttentionMetadata
 
 log = logging.getLogger("flashpage.runner")
@@ -32,129 +34,135 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in ladder if b < max_num_seqs] + [next(b for b in ladder if b >= max_num_seqs)]
 
 
-@dataclass
-class SampledTokens:
-    """One step's sampled tokens, on their way to the host."""
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    top_ids: torch.Tensor | None
-    top_logprobs: torch.Tensor | None
-    done: torch.cuda.Event | None
+class StepFuture:
+    """One step's results on their way to the host; `result()` waits for them."""
 
-    def wait(self) -> tuple[list[int], list[float], list | None, list | None]:
+    def __init__(self, samples: list[SampleSpec], sampled, prompt: dict[int, tuple], cuda: bool):
+        def to_host(t):
+            if t is None or not cuda:
+                return t
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+        self.samples = samples
+        self.tensors = [to_host(t) for t in (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)]
+        self.prompt = {seq_id: (targets, *(to_host(t) for t in tensors)) for seq_id, (targets, *tensors) in prompt.items()}
+        self.done = torch.cuda.Event() if cuda else None
+        if cuda:
+            self.done.record()
+
+    def result(self) -> StepResult:
         if self.done is not None:
             self.done.synchronize()
-        tops = (self.top_ids.tolist(), self.top_logprobs.tolist()) if self.top_ids is not None else (None, None)
-        return self.tokens.tolist(), self.logprobs.tolist(), *tops
+        tokens, logprobs, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
+        out = StepResult()
+        for i, spec in enumerate(self.samples):
+            k = spec.row.params.logprobs
+            top = None if k is None else dict(zip(top_ids[i][:k], top_lps[i][:k])) if k else {}
+            out.sampled.setdefault(spec.seq_id, []).append(SampledToken(tokens[i], logprobs[i], top))
+        for seq_id, (targets, chosen, ids, values) in self.prompt.items():
+            chosen = chosen.tolist()
+            tops = zip(ids.tolist(), values.tolist()) if ids is not None else ([[], []] for _ in targets)
+            out.prompt_logprobs[seq_id] = [{**dict(zip(i, v)), t: c} for t, c, (i, v) in zip(targets, chosen, tops)]
+        return out
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kernels: str, max_num_seqs: int,
-                 max_model_len: int, enforce_eager: bool = False):
-        self.model = loaded.model
-        self.config = cfg = loaded.config
+    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
+        """Loads `cfg.model` (or serves `loaded`, a model already in memory: tests share one between engines) and
+        allocates the KV cache. `self.cfg` is `cfg` with device, kernels and max_model_len resolved."""
+        device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        kernels = cfg.kernels if cfg.kernels != "auto" else "triton" if device.startswith("cuda") else "torch"
+        # Triton kernels on the GPU; on CPU the interpreter would be far too slow for the default
+        if loaded is None:
+            loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=device, seed=cfg.seed)
+        self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        limit = self.config.max_position_embeddings
+        if cfg.max_model_len is not None and not 1 < cfg.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}] for this model, got {cfg.max_model_len}")
+        self.cfg = dataclasses.replace(cfg, device=device, kernels=kernels, max_model_len=cfg.max_model_len or limit)
         self.model.set_kernels(kernels)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(cfg.num_hidden_layers)]
-        self.last_tokens: torch.Tensor | None = None  # the previous step's sampled tokens, on the device
-        self.last_rows: dict[int, int] = {}  # seq_id -> its row in last_tokens
+        self.block_size = cfg.block_size
+        self.num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit()
+        if self.num_blocks < 1:
+            raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
+        c = self.config
+        self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
+                                            c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+        self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
-        if self.device.type == "cuda" and not enforce_eager:
-            self._capture_graphs(graph_batch_sizes(max_num_seqs), -(-max_model_len // block_size))
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_graphs(graph_batch_sizes(cfg.max_num_seqs), -(-self.cfg.max_model_len // self.block_size))
 
-    @staticmethod
-    def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-        cfg = loaded.config
-        itemsize = next(loaded.model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    def _blocks_that_fit(self) -> int:
+        c, cfg = self.config, self.cfg
+        per_block = kv_bytes_per_block(c.num_hidden_layers, self.block_size, c.num_key_value_heads, c.head_dim,
+                                       self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cfg.gpu_memory_utilization) * total
+        else:
+            budget = cfg.cpu_kv_cache_gb * 2**30
+        useful = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)  # more could never be used
+        return int(min(budget // per_block, useful))
 
     # ----- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Returns logits [sampled seqs, vocab] (in batch order) and {seq_id: prompt logits} where asked."""
-        dev, bs = self.device, self.block_size
-        if batch.copies:
-            src = upload([c.src for c in batch.copies], torch.int64, dev)
-            dst = upload([c.dst for c in batch.copies], torch.int64, dev)
-            for k_cache, v_cache in self.kv_caches:
-                k_cache[dst] = k_cache[src]
-                v_cache[dst] = v_cache[src]
-        seqs = batch.seqs
-        decode = all(len(s.token_ids) == 1 and s.sample and not s.prompt_logits for s in seqs)
+    def step(self, plan: StepPlan) -> StepFuture:
+        dev = self.device
+        if plan.copies:
+            src = upload([c.src for c in plan.copies], torch.int64, dev)
+            dst = upload([c.dst for c in plan.copies], torch.int64, dev)
+            for cache in self.kv_caches:
+                cache.k[dst] = cache.k[src]
+                cache.v[dst] = cache.v[src]
+        seqs = plan.seqs
+        decode = all(len(s.token_ids) == 1 and s.num_logits == 1 and s.prompt_logprobs is None for s in seqs)
         graph_size = next((b for b in self.graphs if b >= len(seqs)), None) if decode else None
-        rows = graph_size or len(seqs)
-        tokens, positions, slots, cu, seq_lens, pending = [], [], [], [0], [], []
-        for s in seqs:
-            if s.token_ids[-1] == PENDING:  # only ever the last token of a decode
-                pending += [len(tokens) + len(s.token_ids) - 1, self.last_rows[s.seq_id]]
-            pos = range(s.start, s.start + len(s.token_ids))
-            tokens += s.token_ids
-            positions += pos
-            slots += [s.block_table[p // bs] * bs + p % bs for p in pos]
-            cu.append(cu[-1] + len(s.token_ids))
-            seq_lens.append(s.start + len(s.token_ids))
-        padding = rows - len(seqs)  # graph rows beyond the batch: no keys, no cache writes
-        tokens += [0] * padding
-        positions += [0] * padding
-        slots += [-1] * padding
-        seq_lens += [0] * padding
-        cu += range(cu[-1] + 1, cu[-1] + 1 + padding)
-        width = max(len(s.block_table) for s in seqs)
-        table = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))] + [0] * (padding * width)
-        n = len(tokens)
-        packed = upload(tokens + positions + slots + seq_lens + cu + table + pending, torch.int64, dev)
-        ids, positions_t, slots_t, lens_t, cu_t, table_t, pending_t = packed.split(
-            [n, n, n, rows, rows + 1, rows * width, len(pending)])
-        if pending:
-            ids[pending_t[0::2]] = self.last_tokens[pending_t[1::2]]
-        lens_t, cu_t, table_t = lens_t.int(), cu_t.int(), table_t.int().view(rows, width)
+        inputs = prepare_inputs(plan, self.block_size, dev, graph_size)
+        ids, meta = inputs.ids, inputs.meta
+        if inputs.from_last_step.numel():
+            ids[inputs.from_last_step[0::2]] = self.last_sampled[inputs.from_last_step[1::2]]
+        prompt = {}
         if graph_size:
             graph, logits = self.graphs[graph_size]
-            st = self.static
+            st, rows = self.static, graph_size
             st["ids"][:rows].copy_(ids)
-            st["positions"][:rows].copy_(positions_t)
-            st["slots"][:rows].copy_(slots_t)
-            st["seq_lens"][:rows].copy_(lens_t)
-            st["block_table"][:rows, :width].copy_(table_t)
+            st["positions"][:rows].copy_(meta.positions)
+            st["slots"][:rows].copy_(meta.slot_mapping)
+            st["seq_lens"][:rows].copy_(meta.seq_lens_k)
+            st["block_table"][:rows, :meta.block_table.shape[1]].copy_(meta.block_table)
             graph.replay()
-            return logits[:len(seqs)], {}
-        meta = AttentionMetadata(cu_t, lens_t, max(len(s.token_ids) for s in seqs), slots_t, table_t)
-        hidden = self.model(ids, positions_t, meta, self.kv_caches)
-        last = [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
-        # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory, which
-        # makes the host wait for the whole forward pass and leaves the GPU idle while it prepares the next step.
-        logits = self.model.compute_logits(hidden.index_select(0, upload(last, torch.int64, dev)) if len(last) < n
-                                           else hidden)
-        prompt_logits = {s.seq_id: self.model.compute_logits(hidden[cu[i]:cu[i + 1]])
-                         for i, s in enumerate(seqs) if s.prompt_logits}
-        return logits, prompt_logits
+            logits = logits[:len(seqs)]
+        else:
+            hidden = self.model(ids, meta, self.kv_caches)
+            # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory,
+            # which makes the host wait for the whole forward pass and leaves the GPU idle meanwhile.
+            rows = inputs.logits_index
+            logits = self.model.compute_logits(
+                hidden.index_select(0, upload(rows, torch.int64, dev)) if len(rows) < len(ids) else hidden)
+            start = 0
+            for s in seqs:
+                if s.prompt_logprobs is not None:
+                    prompt[s.seq_id] = (s.prompt_targets, *self._prompt_logprobs(
+                        hidden[start:start + len(s.prompt_targets)], s.prompt_targets, s.prompt_logprobs))
+                start += len(s.token_ids)
+        picked = [spec.logits_row for spec in plan.samples]
+        if picked != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
+            logits = logits.index_select(0, upload(picked, torch.int64, dev))
+        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples])
+        self.last_sampled = sampled.tokens
+        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda")
 
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow], stop_ids: list[list[int]],
-               seq_ids: list[int]) -> SampledTokens:
-        """Sample every row (row i is sequence seq_ids[i]) and start copying the results to the host. The
-        next step reads these tokens on the device for sequences it schedules with a PENDING token."""
-        out = sample_rows(self.model.ops, logits, rows, stop_ids)
-        self.last_tokens = out.tokens
-        self.last_rows = {seq_id: i for i, seq_id in enumerate(seq_ids)}
-        cuda = self.device.type == "cuda"
-
-        def to_host(t):
-            if t is None or not cuda:
-                return None if t is None else t.cpu()
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-
-        result = SampledTokens(to_host(out.tokens), to_host(out.logprobs), to_host(out.top_ids),
-                               to_host(out.top_logprobs), torch.cuda.Event() if cuda else None)
-        if cuda:
-            result.done.record()
-        return result
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int):
+        """Log-probabilities of the prompt tokens `hidden`'s rows predict, and the top-k of each row."""
+        lp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        chosen = lp.gather(-1, upload(targets, torch.int64, self.device)[:, None])[:, 0]
+        if not k:
+            return chosen, None, None
+        values, ids = lp.topk(k, dim=-1)
+        return chosen, ids, values
 
     # ----- CUDA graphs ----------------------------------------------------------------------------
     def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> None:
@@ -170,10 +178,9 @@ class ModelRunner:
         pool = None
         with torch.inference_mode():
             for size in tqdm(sorted(sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
-                meta = AttentionMetadata(st["cu"][:size + 1], st["seq_lens"][:size], 1, st["slots"][:size],
-                                         st["block_table"][:size])
-                run = lambda: self.model.compute_logits(  # noqa: E731
-                    self.model(st["ids"][:size], st["positions"][:size], meta, self.kv_caches))
+                meta = AttentionMetadata(st["cu"][:size + 1], st["seq_lens"][:size], 1, st["positions"][:size],
+                                         st["slots"][:size], st["block_table"][:size])
+                run = lambda: self.model.compute_logits(self.model(st["ids"][:size], meta, self.kv_caches))  # noqa: E731
                 run()  # compiles the Triton kernels for this shape outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()

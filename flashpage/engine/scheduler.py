@@ -3,41 +3,28 @@
 Each step it first continues running sequences (decodes and unfinished prompt chunks), oldest first, within the
 token budget; if the cache cannot hold them it preempts the newest running sequence (its blocks are freed and
 it goes back to the front of the queue to be recomputed later, losing nothing). Then, if nothing was preempted,
-it admits waiting sequences, reusing cached prompt blocks. The step is handed to the runner as one
-`SchedulerOutput`.
+it admits waiting sequences, reusing cached prompt blocks. The step goes to the runner as one `StepPlan`; each
+sequence whose last token it computes gets a sample row, and a PENDING token that the next step may already
+compute on (the runner reads it on the device).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
-from flashpage.engine.sequence import FINISHED, RUNNING, WAITING, Sequence
-from flashpage.kv import BlockManager, CopyOp
+from flashpage.engine.sequence import FINISHED, PENDING, RUNNING, WAITING, Sequence
+from flashpage.engine.step import SampleSpec, SeqStep, StepPlan
+from flashpage.kv import BlockManager
 
 log = logging.getLogger("flashpage.scheduler")
 
 
-@dataclass
-class ScheduledSeq:
-    seq_id: int
-    token_ids: list[int]  # the tokens to compute this step
-    start: int  # position of the first of them
-    block_table: list[int]
-    sample: bool  # this step reaches the sequence's last token: its logits pick the next one
-    prompt_logits: bool  # return logits for every prompt token computed this step
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[CopyOp] = field(default_factory=list)  # block copies (copy-on-write) to do before the step
-
-
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.bm = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -49,8 +36,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        out = StepPlan()
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -90,16 +77,45 @@ class Scheduler:
             budget -= n
         return out
 
-    def _schedule(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def _schedule(self, seq: Sequence, n: int, plan: StepPlan) -> None:
         start = seq.num_computed
-        out.copies += self.bm.append_slots(seq.seq_id, seq.token_ids, n)
+        plan.copies += self.bm.append_slots(seq.seq_id, n)
         seq.num_computed += n
-        out.seqs.append(ScheduledSeq(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + n], start=start,
-            block_table=list(self.bm.table(seq.seq_id)), sample=seq.num_computed == len(seq.token_ids),
-            prompt_logits=seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
-            and seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens,
-        ))
+        self.commit(seq)
+        tokens = seq.token_ids[start:start + n]
+        from_row = None
+        if tokens[-1] == PENDING:  # only ever the last token of a decode
+            tokens[-1], from_row = 0, seq.pending_row
+        step = SeqStep(seq.seq_id, tokens, list(range(start, start + n)), list(self.bm.table(seq.seq_id)),
+                       last_token_from_row=from_row)
+        last_prompt = seq.num_prompt_tokens - 1
+        if seq.params.prompt_logprobs is not None and start < last_prompt and len(seq.prompt_logprobs) == start + 1:
+            step.prompt_logprobs = seq.params.prompt_logprobs  # (not again when a preempted prompt is recomputed)
+            step.prompt_targets = seq.token_ids[start + 1:min(start + n, last_prompt) + 1]
+        if seq.num_computed == len(seq.token_ids):  # its last token: draw the next one (forks draw from it too)
+            step.num_logits = 1
+            row = plan.num_logits
+            for s in [seq, *seq.forks]:
+                if s is not seq:
+                    self.fork(seq, s)
+                plan.samples.append(SampleSpec(s.seq_id, row, s.sample_row()))
+                self._expect_token(s, len(plan.samples) - 1)
+            seq.forks = []
+        plan.seqs.append(step)
+
+    def _expect_token(self, seq: Sequence, sample_row: int) -> None:
+        """The step will sample the sequence's next token: hold its place until it is read back."""
+        seq.token_ids.append(PENDING)
+        seq.num_pending += 1
+        seq.pending_row = sample_row
+        n_out = len(seq.token_ids) - seq.num_prompt_tokens
+        seq.last_pending = (seq.params.max_tokens is not None and n_out >= seq.params.max_tokens) or \
+            len(seq.token_ids) >= self.max_model_len
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the sequence's known tokens whose K/V is computed (or being computed) to the prefix cache."""
+        if seq.status == RUNNING:  # (a preempted sequence holds no blocks until it is recomputed)
+            self.bm.commit(seq.seq_id, seq.token_ids, min(seq.num_computed, seq.num_known))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -119,7 +135,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         if seq.status == RUNNING:
             self.running.remove(seq)
-        elif seq.status == WAITING:
+        elif seq in self.waiting:  # (a sample not yet forked off its parent is in neither list)
             self.waiting.remove(seq)
         self.bm.free_sequence(seq.seq_id)
         seq.status = FINISHED

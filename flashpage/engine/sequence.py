@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from flashpage.engine.step import SampleRow
 from flashpage.sampling_params import SamplingParams
 from flashpage.tokenizer import IncrementalDetokenizer
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+PENDING = -1  # a token the GPU is still sampling: the next step may compute on it (read on the device) meanwhile
 
 
 @dataclass(eq=False)
@@ -15,11 +17,13 @@ class Sequence:
     seq_id: int
     request_id: str
     index: int  # which of its request's n samples
-    token_ids: list[int]  # prompt + generated so far
+    token_ids: list[int]  # prompt + generated so far; the last num_pending are PENDING
     num_prompt_tokens: int
     params: SamplingParams
-    arrival: int  # admission order; preemption takes the newest
+    seed: int  # the request's seed, or one drawn for it: each draw's stream derives from it
+    stop_ids: list[int]  # tokens that end it (EOS unless ignore_eos, stop_token_ids): blocked before min_tokens
     detokenizer: IncrementalDetokenizer | None = None
+    forks: list[Sequence] = field(default_factory=list)  # samples 2..n, forked off once the prompt is computed
     num_computed: int = 0  # tokens whose K/V are in the cache
     status: str = WAITING
     text: str = ""  # generated text (stop strings cut off)
@@ -29,6 +33,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_pending: int = 0  # PENDING tokens at the end of token_ids
+    pending_row: int | None = None  # the last step's sample row of its PENDING token
     last_pending: bool = False  # its pending token ends it (length limit): schedule nothing more
 
     @property
@@ -37,9 +42,22 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
 
     @property
+    def num_known(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
     @property
     def finished(self) -> bool:
         return self.status == FINISHED
+
+    def sample_row(self) -> SampleRow:
+        """How to draw this sequence's next token. The stream depends only on the seed, the sample index and the
+        position, so a seeded request gives the same tokens whatever else is batched with it."""
+        num_output = len(self.token_ids) - self.num_prompt_tokens
+        blocked = self.stop_ids if num_output < self.params.min_tokens else []
+        history = list(self.token_ids) if self.params.uses_penalties else []  # only penalties read it
+        return SampleRow(self.params, history, num_output, hash((self.seed, self.index, len(self.token_ids))) % 2**63,
+                         blocked)

@@ -191,8 +191,8 @@ def _attention_kernel(
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
     # Copy-engine decode launches at most one wave of programs (see _launch), each taking every num_programs(1)-th
-    # sequence in turn. Prefill and the rest keep one sequence per program: inside the loop they compiled to code
-    # 2-5% slower at S = 1k-8k on an H100.
+    # sequence in turn. Prefill and the rest keep one sequence per program: inside the loop they compiled to
+    # slower code (docs/kernel-notes.md).
     if TMA:
         for seq in range(tl.program_id(1), num_seqs, tl.num_programs(1)):
             _attend_sequence(seq, pid_m, kv_head, split, Q, K, V, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK,
@@ -282,7 +282,7 @@ def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -
 
 
 def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, causal, softmax_scale, window_size,
-            num_splits, paged: bool, page_size: int):
+            num_splits, paged: bool, page_size: int, tiles=None):
     total_q, hq, dim = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
@@ -294,7 +294,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     # one page, and a tile feeds tl.dot, which needs 16 keys or more.
     tma = (paged and max_seqlen_q * group <= 16 and page_size >= 16
            and _copy_engine_can_read(k) and _copy_engine_can_read(v))
-    block_m, block_n, warps, stages = _tiles(dim, max_seqlen_q, group, tma, page_size)
+    block_m, block_n, warps, stages = tiles or _tiles(dim, max_seqlen_q, group, tma, page_size)
     block_d = triton.next_power_of_2(dim)
     grid_m = triton.cdiv(max_seqlen_q * group, block_m)
     decode = block_m == 16
@@ -305,7 +305,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
         k, v = (cache_descriptor(c, block_n) for c in (k, v))
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     # Programmatic dependent launch: the merge is launched while the split programs run and waits for their writes
-    # on the GPU, which takes its launch off the critical path (0.7 us of 55 at 1x32k on an H100).
+    # on the GPU, which takes its launch off the critical path.
     pdl = num_splits > 1 and not interpret and not _before_hopper(q.device)
     # Gather decode masks every tile (a second loop cost more than the masking); the copy-engine decode keeps the
     # unmasked loop, where its V tiles go straight from shared memory to the tensor cores.
@@ -331,7 +331,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
         block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
         # One warp per 32 columns of a head: a merge of many small programs finishes sooner after the last split
-        # (1x32k on an H100: 54.1 against 54.7 us with one 4-warp program per head; 1x4096 15.6 against 16.1).
+        # than one 4-warp program per head (docs/kernel-notes.md).
         merge_d = min(block_d, 32)
         _merge_splits[(total_q, hq, triton.cdiv(dim, merge_d))](
             part, lse, out, *part_strides, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
@@ -341,21 +341,25 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
-                      softmax_scale=None, window_size=(-1, -1), out=None):
-    """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D]."""
+                      softmax_scale=None, window_size=(-1, -1), tiles=None, out=None):
+    """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D]. `tiles`
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile shape (benchmark sweeps)."""
     _check(q, k, v, window_size)
     out = torch.empty_like(q) if out is None else out
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, causal, softmax_scale,
-                   window_size, 1, paged=False, page_size=1)
+                   window_size, 1, paged=False, page_size=1, tiles=tiles)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
-                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None):
-    """Queries are the last q_len tokens of sequences whose keys sit in a paged cache [blocks, block_size, Hkv, D].
+def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, tiles=None, out=None):
+    """Queries are the last q_len tokens of sequences whose keys sit in a paged cache (a KVCache: k/v
+    [blocks, block_size, Hkv, D]).
 
     Decode (max_seqlen_q == 1) splits long key ranges over several programs when the batch alone cannot fill
-    the GPU (Flash-Decoding); `num_splits` overrides that choice.
+    the GPU (Flash-Decoding); `num_splits` overrides that choice, and `tiles` (BLOCK_M, BLOCK_N, num_warps,
+    num_stages) the tile shape (benchmark sweeps).
     """
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     _check(q, k_cache, v_cache, window_size)
     page = k_cache.shape[1]
     if page < 8 or page & (page - 1):
@@ -367,7 +371,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
-                   softmax_scale, window_size, num_splits, paged=True, page_size=page)
+                   softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:
@@ -383,9 +387,8 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k
 
 def _programs_per_wave(device: torch.device) -> int:
     """Copy-engine decode programs that run at once: each takes 24.6 KB of shared memory, so 9 fit on a Hopper SM;
-    8 per SM leaves room. On an H100, 256 sequences x 8 KV heads took 370.7 us as 2,048 programs (1.7 waves) and
-    360.8 us as 1,024 programs of two sequences each. Unbounded for CPU tensors: the interpreter runs programs in
-    turn."""
+    8 per SM leaves room; a partial second wave cost more than each program taking two sequences
+    (docs/kernel-notes.md). Unbounded for CPU tensors: the interpreter runs programs in turn."""
     if device.type != "cuda":
         return 1 << 30
     return 8 * sm_count(device.index if device.index is not None else torch.cuda.current_device())

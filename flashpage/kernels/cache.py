@@ -22,8 +22,9 @@ def _reshape_and_cache_kernel(K, V, KCache, VCache, SlotMapping, stride_kt, stri
     tl.store(VCache + dst, tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """k/v [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at slot_mapping [T] (slot -1 skipped)."""
+def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:
+    """k/v [T, Hkv, D] -> a KVCache's k/v [num_blocks, block_size, Hkv, D] at slot_mapping [T] (slot -1 skipped)."""
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     if k.shape[0] == 0:
         return
     if k.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape or k.stride(-1) != 1:

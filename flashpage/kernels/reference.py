@@ -42,8 +42,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
+def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None):
+    k_cache, v_cache = kv_cache.k, kv_cache.v
     out = torch.empty_like(q) if out is None else out
     cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     page = k_cache.shape[1]
@@ -57,11 +58,11 @@ def paged_attention(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens_k, 
     return out
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+    kv_cache.k.view(-1, *kv_cache.k.shape[2:])[slots] = k[keep]
+    kv_cache.v.view(-1, *kv_cache.v.shape[2:])[slots] = v[keep]
 
 
 def rms_norm(x, weight, eps):
@@ -93,13 +94,13 @@ def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, s
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def rope_and_cache(q, k, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
+def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     def rotate(x):
         half = x.shape[-1] // 2
         return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
     q, k = rotate(q), rotate(k)
-    if k_cache is not None:
-        reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    if kv_cache is not None:
+        reshape_and_cache(k, v, kv_cache, slot_mapping)
     return q, k
 
 

@@ -55,16 +55,17 @@ def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, SlotMapping, strid
             tl.store(VCache + dst + HALF, tl.load(v + HALF, mask=ok), mask=ok)
 
 
-def rope_and_cache(q, k, cos, sin, v=None, k_cache=None, v_cache=None, slot_mapping=None):
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, D]; with caches, also store k and v
-    [T, Hkv, D] at slot_mapping [T] of caches [num_blocks, block_size, Hkv, D]. Returns (q, k)."""
+def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by cos/sin [T, D]; with a cache (a KVCache), also store k
+    and v [T, Hkv, D] at slot_mapping [T] of its k/v [num_blocks, block_size, Hkv, D]. Returns (q, k)."""
     t, hq, dim = q.shape
     hkv = k.shape[1]
     if k.shape[0] != t or k.shape[2] != dim or cos.shape != (t, dim) or sin.shape != cos.shape or dim % 2:
         raise ValueError(f"rope_and_cache: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)} do not fit")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
         raise ValueError("rope_and_cache needs unit-stride head dims and cos/sin of one layout")
-    write = k_cache is not None
+    write = kv_cache is not None
+    k_cache, v_cache = (kv_cache.k, kv_cache.v) if write else (None, None)
     if write and (k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape or v.shape != k.shape
                   or v.stride(-1) != 1):
         raise ValueError(f"k/v {tuple(k.shape)} do not fit caches {tuple(k_cache.shape)}")

@@ -5,9 +5,12 @@ Blocks carry reference counts, so forked sequences (parallel sampling, beam sear
 about to write into a shared block first gets a private copy (copy-on-write: the manager returns the copy
 for the runner to perform on the device).
 
-Prefix caching: a block whose slots are all written is identified by a hash chained over its tokens and its
-parent's hash. New sequences look their full prompt blocks up and reuse them. Released blocks keep their
-hash and stay reusable until a free block is needed, when the least recently released is evicted.
+Prefix caching: a block whose slots all hold committed tokens (known, verified ones) is identified by a hash
+chained over its tokens and its parent's hash. New sequences look their full prompt blocks up and reuse them.
+Released blocks keep their hash and stay reusable until a free block is needed, when the least recently released
+is evicted. Slots are assigned ahead of their tokens (`append_slots`, lookahead included); only `commit` makes
+blocks findable, and `truncate` gives back slots of tokens that were rejected, so nothing unverified is ever
+reused.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-PENDING = -1  # a token id not known yet (the GPU is still sampling it); a block holding one is cached once it is
+
+def slot(block_table: list[int], position: int, block_size: int) -> int:
+    """The cache slot (block * block_size + offset) of a sequence's token at `position`."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class BlockManager:
         self.block_hash: dict[int, int] = {}  # block -> its hash (full blocks only)
         self.tables: dict[int, list[int]] = {}  # sequence id -> block table
         self.num_tokens: dict[int, int] = {}  # sequence id -> tokens whose slots are assigned
+        self.num_committed: dict[int, int] = {}  # sequence id -> leading tokens committed (never truncated)
 
     # ----- queries --------------------------------------------------------------------------------
     @property
@@ -52,10 +59,6 @@ class BlockManager:
         if table and n % self.block_size and total_tokens > n and self.ref_count[table[-1]] > 1:
             need += 1  # the shared, partly filled last block must be copied before writing
         return need
-
-    def slot(self, seq_id: int, position: int) -> int:
-        table = self.tables[seq_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
@@ -90,15 +93,14 @@ class BlockManager:
                 table.append(block)
                 parent = h
         self.tables[seq_id] = table
-        self.num_tokens[seq_id] = len(table) * self.block_size
+        self.num_tokens[seq_id] = self.num_committed[seq_id] = len(table) * self.block_size
         return self.num_tokens[seq_id]
 
-    def append_slots(self, seq_id: int, tokens: list[int], num_new: int) -> list[CopyOp]:
-        """Assign slots for the next `num_new` tokens; `tokens` is the sequence so far (at least that long).
+    def append_slots(self, seq_id: int, num_new: int) -> list[CopyOp]:
+        """Assign slots for the next `num_new` tokens (lookahead slots too: `truncate` can give them back).
 
-        Allocates blocks on demand (evicting cached ones if needed), copies a shared last block before it
-        is written, and registers blocks that become full in the prefix cache. Raises RuntimeError if the
-        pool cannot supply the blocks: check `blocks_needed` first.
+        Allocates blocks on demand (evicting cached ones if needed) and copies a shared last block before it is
+        written. Raises RuntimeError if the pool cannot supply the blocks: check `blocks_needed` first.
         """
         table, start = self.tables[seq_id], self.num_tokens[seq_id]
         end = start + num_new
@@ -113,18 +115,32 @@ class BlockManager:
         while len(table) * self.block_size < end:
             table.append(self._allocate())
         self.num_tokens[seq_id] = end
-        if self.enable_prefix_caching:
-            for i in range(start // self.block_size, end // self.block_size):
-                self._register(table, i, tokens)
         return copies
 
-    def token_known(self, seq_id: int, tokens: list[int], position: int) -> None:
-        """The token at `position`, pending when its slot was assigned, is now in `tokens`: if it completed a
-        block, register that block in the prefix cache."""
-        table = self.tables.get(seq_id)
-        index = position // self.block_size
-        if self.enable_prefix_caching and table and (position + 1) % self.block_size == 0 and index < len(table):
-            self._register(table, index, tokens)
+    def commit(self, seq_id: int, tokens: list[int], num_committed: int) -> None:
+        """The sequence's first `num_committed` tokens (of `tokens`, the sequence so far) are final: known and
+        verified, their K/V computed or being computed in stream order. Registers the blocks they fill in the
+        prefix cache."""
+        start, end = self.num_committed[seq_id], num_committed
+        if end > self.num_tokens[seq_id]:
+            raise ValueError(f"sequence {seq_id}: {end} tokens committed but only {self.num_tokens[seq_id]} have slots")
+        if end <= start:
+            return
+        self.num_committed[seq_id] = end
+        if self.enable_prefix_caching:
+            for i in range(start // self.block_size, end // self.block_size):
+                self._register(self.tables[seq_id], i, tokens)
+
+    def truncate(self, seq_id: int, num_slots: int) -> None:
+        """Give back the last `num_slots` slots (tokens that were rejected); blocks left empty are freed."""
+        end = self.num_tokens[seq_id] - num_slots
+        if num_slots < 0 or end < self.num_committed[seq_id]:
+            raise ValueError(f"sequence {seq_id}: cannot truncate {num_slots} of {self.num_tokens[seq_id]} slots "
+                             f"({self.num_committed[seq_id]} are committed)")
+        table, keep = self.tables[seq_id], -(-end // self.block_size)
+        while len(table) > keep:
+            self._release(table.pop())
+        self.num_tokens[seq_id] = end
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (reference counts go up)."""
@@ -132,6 +148,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id} already has blocks")
         self.tables[child_id] = list(self.tables[parent_id])
         self.num_tokens[child_id] = self.num_tokens[parent_id]
+        self.num_committed[child_id] = self.num_committed[parent_id]
         for b in self.tables[child_id]:
             self.ref_count[b] += 1
 
@@ -139,6 +156,7 @@ class BlockManager:
         for b in reversed(self.tables.pop(seq_id, [])):  # tail first: prefix blocks stay cached longest
             self._release(b)
         self.num_tokens.pop(seq_id, None)
+        self.num_committed.pop(seq_id, None)
 
     # ----- blocks -------------------------------------------------------------------------------
     def _allocate(self) -> int:
@@ -174,10 +192,7 @@ class BlockManager:
         parent = self.block_hash.get(table[index - 1]) if index else None
         if index and parent is None:
             return  # its parent was never registered, so no lookup can reach this block
-        chunk = tokens[index * self.block_size:(index + 1) * self.block_size]
-        if PENDING in chunk:
-            return  # registered by token_known once the token is known
-        h = self._hash(parent, chunk)
+        h = self._hash(parent, tokens[index * self.block_size:(index + 1) * self.block_size])
         if h in self.cached:
             return  # the same tokens are cached in another block already
         self.cached[h] = block

@@ -1,10 +1,9 @@
 """Attention as the model calls it: rotary embedding, the paged KV cache, and the attention kernels.
 
 The model hands every attention layer flattened tokens of several sequences (varlen, no padding) plus one
-`AttentionMetadata` describing the batch. With a cache, the rotated keys and the values are written into the
-layer's paged cache (a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`) and each sequence's
-queries attend to all its keys there; without one (a plain forward pass) the queries attend to the new keys.
-`ops` is a kernel set (`flashpage.kernels.kernel_set`).
+`AttentionMetadata` describing the batch. With a cache (the layer's `KVCache`), the rotated keys and the values are
+written into it and each sequence's queries attend to all its keys there; without one (a plain forward pass) the
+queries attend to the new keys. `ops` is a kernel set (`flashpage.kernels.kernel_set`).
 """
 
 from __future__ import annotations
@@ -13,32 +12,45 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpage.kv import KVCache
+
 
 @dataclass
 class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: query tokens of sequence i are rows cu[i]:cu[i+1]
-    seq_lens_k: torch.Tensor  # [B] int32: keys per sequence, cached ones included; queries are the last
+    seq_lens_k: torch.Tensor  # [B] int32: keys per sequence, cached ones included
     max_seqlen_q: int
+    positions: torch.Tensor  # [T] int64: each token's position in its sequence (RoPE; the cache slot was made from it)
     slot_mapping: torch.Tensor | None = None  # [T] int64 cache slot (block * block_size + offset) per new token
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32
+    # Per sequence, which of the step's own query tokens each query may see (a token tree); None: causal. The
+    # kernels take a sequence's queries as its last keys, in order (positions seq_len - q_len ...), until the
+    # tree-attention work teaches them masks.
+    query_mask: torch.Tensor | None = None
 
     @classmethod
-    def prefill(cls, seq_lens: list[int], device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Metadata for whole sequences with no cache (keys are the queries)."""
+    def prefill(cls, seq_lens: list[int], device: torch.device | str = "cpu",
+                positions: torch.Tensor | None = None) -> "AttentionMetadata":
+        """Metadata for whole sequences with no cache (keys are the queries), at positions 0.. unless given."""
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(seq_lens, dtype=torch.int32).cumsum(0)
-        return cls(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), max(seq_lens, default=0))
+        if positions is None:
+            positions = torch.cat([torch.arange(n) for n in seq_lens]) if seq_lens else torch.zeros(0, dtype=torch.int64)
+        return cls(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), max(seq_lens, default=0),
+                   positions.to(device))
 
 
-def attention(ops, q, k, v, cos, sin, kv_cache, meta: AttentionMetadata, scale: float, sliding_window: int | None):
+def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionMetadata, scale: float,
+              sliding_window: int | None):
     """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]."""
+    if meta.query_mask is not None:
+        raise NotImplementedError("attention over a token tree (query_mask) is not supported by the kernels yet")
     # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     if kv_cache is None:
         q, k = ops.rope_and_cache(q, k, cos, sin)
         return ops.flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
                                      meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
-    k_cache, v_cache = kv_cache
-    q, k = ops.rope_and_cache(q, k, cos, sin, v, k_cache, v_cache, meta.slot_mapping)
-    return ops.paged_attention(q, k_cache, v_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
+    q, k = ops.rope_and_cache(q, k, cos, sin, v, kv_cache, meta.slot_mapping)
+    return ops.paged_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)

@@ -5,7 +5,9 @@ a kernel set (`flashpage.kernels`: PyTorch references or Triton), which the mode
 stream h is carried from layer to layer; each projection is one `ops.linear` that takes in its neighbours: the
 RMSNorm before Q/K/V and before gate/up, SiLU-and-mul after gate/up, the residual add after o_proj and down_proj
 (at decode sizes, one Triton kernel each). Rotary embedding is fused with the KV-cache write. Q/K/V and gate/up
-are each one matmul; `load_weights` takes transformers' tensor names and fills the slices.
+are each one matmul; `load_weights` takes transformers' tensor names and hands each tensor to its parameter's
+module's `weight_loader`, which places it (the fused projections fill their slices; a tensor-parallel module can
+take its shard).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from flashpage.config import ModelConfig
 from flashpage.kernels import kernel_set
+from flashpage.kv import KVCache
 from flashpage.model.attention import AttentionMetadata, attention
 from flashpage.model.rope import rope_cos_sin, rope_inv_freq
 
@@ -30,12 +33,34 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+    """Copy a checkpoint tensor into a parameter (any dtype/device)."""
+    _copy_checked(param.data, tensor)
+
+
+def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(tensor)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of one input stacked as one matmul (Q/K/V, gate/up); checkpoints store them apart."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+        _copy_checked(param.data.narrow(0, sum(self.output_sizes[:shard]), self.output_sizes[shard]), tensor)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
@@ -54,7 +79,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, ops, h, norm: RMSNorm):
@@ -103,19 +128,14 @@ class LlamaForCausalLM(nn.Module):
         """'torch' (PyTorch references) or 'triton'."""
         self.ops = kernel_set(name)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the residual stream after the last layer [T, hidden] (the final norm
-        is applied by `compute_logits`, on the rows that need logits)."""
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+        """input_ids: [T], at meta.positions. Returns the residual stream after the last layer [T, hidden] (the
+        final norm is applied by `compute_logits`, on the rows that need logits)."""
         h = self.embed_tokens(input_ids)
         if self._inv_freq.device != h.device:
             self._inv_freq = self._inv_freq.to(h.device)
-        cos, sin = rope_cos_sin(self._inv_freq, positions, h.dtype)
+        cos, sin = rope_cos_sin(self._inv_freq, meta.positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(self.ops, h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
         return h
@@ -126,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.linear(hidden, weight, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=torch.float32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors named as in transformers into this model (any dtype/device; one at a time).
+        """Hand tensors named as in transformers to their parameters' loaders (any dtype/device; one at a time).
 
         Raises ValueError naming any tensor that has no home here or has the wrong shape, and any
         parameter no tensor filled.
@@ -144,23 +164,14 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
-            dest = params[target].data
-            if shard is not None:
-                dest = dest.narrow(0, *self._shard_range(target, shard))
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            module = self.get_submodule(target.rpartition(".")[0])
+            try:
+                getattr(module, "weight_loader", weight_loader)(params[target], tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r} {e}") from None
             filled[target] = filled.get(target, 0) + 1
-        expected = {n: (3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1) for n in params}
-        missing = sorted(n for n, count in expected.items() if filled.get(n, 0) != count)
+        missing = sorted(n for n in params if filled.get(n, 0) != len(getattr(
+            self.get_submodule(n.rpartition(".")[0]), "output_sizes", [n])))
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s): {shown}")
-
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        attn = self.layers[0].self_attn
-        if ".qkv_proj." in fused_name:
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.config.intermediate_size] * 2
-        return sum(sizes[:shard]), sizes[shard]

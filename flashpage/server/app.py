@@ -34,7 +34,7 @@ class APIError(Exception):
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str, api_key: str | None = None) -> FastAPI:
     metrics = Metrics()
-    max_model_len = engine.engine.cfg.max_model_len
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -43,6 +43,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     # ----- called from the event loop ------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)  # reads configuration only: safe from any thread
@@ -92,7 +96,7 @@ class AsyncEngine:
         while True:
             self._drain_inbox()
             if self._stop:
-                for request_id in list(eng.requests):
+                for request_id in eng.unfinished_request_ids():
                     eng.abort_request(request_id)
                     self._send(request_id, RuntimeError("the server shut down before this request finished"))
                 self.stats = eng.stats()
@@ -104,7 +108,7 @@ class AsyncEngine:
             try:
                 outputs = eng.step()
             except Exception as e:  # a failed step must not take the server down silently
-                for request_id in list(eng.requests):
+                for request_id in eng.unfinished_request_ids():
                     eng.abort_request(request_id)
                     self._send(request_id, RuntimeError(f"engine step failed: {e}"))
                 outputs = []

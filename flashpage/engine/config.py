@@ -1,0 +1,94 @@
+"""EngineConfig: every engine setting, declared once with its type, default and help.
+
+`LLM(model, **settings)`, the command line (`flashpage generate/chat/serve ... --max-num-seqs 64`) and the server
+are built from these fields; an unknown or invalid setting fails with one message naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from flashpage.errors import ParameterError
+from flashpage.loader.default_model import DEFAULT_MODEL
+
+
+def _setting(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineConfig:
+    model: str = _setting(DEFAULT_MODEL, "model directory, .gguf file, or known name")
+    load_format: str = _setting("auto", "dummy: random weights of the model's shape", ("auto", "dummy"))
+    dtype: str = _setting("auto", "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
+    seed: int = _setting(0, "seeds the dummy weights and requests that bring no seed")
+    max_model_len: int | None = _setting(None, "context (prompt plus output) in tokens; default: the model's")
+    kernels: str = _setting("auto", "auto: triton on CUDA, torch (PyTorch references) on CPU",
+                            ("auto", "torch", "triton"))
+    block_size: int = _setting(16, "tokens per KV-cache block (a power of two)")
+    num_gpu_blocks: int | None = _setting(None, "KV cache size in blocks (default: from the memory settings)")
+    gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the GPU's memory flashpage may fill")
+    cpu_kv_cache_gb: float = _setting(1.0, "CPU: KV cache size in GiB")
+    max_num_seqs: int = _setting(256, "sequences per step at most")
+    max_num_batched_tokens: int = _setting(8192, "tokens per step at most; longer prompts are prefilled in chunks")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompts seen before")
+    enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs, every step eager")
+    overlap: bool = _setting(True, "schedule step N+1 before reading step N's tokens back")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), _TYPES[f.name]
+            optional = kind is not bool and f.default is None
+            ok = (value is None and optional) or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                ok = True
+            if not ok:
+                raise ParameterError(f.name, f"engine setting {f.name} must be {kind.__name__}"
+                                     f"{' or None' if optional else ''}, got {value!r}")
+            if f.metadata["choices"] and value not in f.metadata["choices"]:
+                raise ParameterError(f.name, f"engine setting {f.name} must be one of {', '.join(f.metadata['choices'])}"
+                                     f", got {value!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ParameterError("gpu_memory_utilization", "gpu_memory_utilization must be in (0, 1], got "
+                                 f"{self.gpu_memory_utilization}")
+        if not self.cpu_kv_cache_gb > 0:
+            raise ParameterError("cpu_kv_cache_gb", f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+
+    @classmethod
+    def from_settings(cls, **settings) -> EngineConfig:
+        unknown = sorted(set(settings) - set(_TYPES))
+        if unknown:
+            raise ParameterError(unknown[0], f"unknown engine setting(s) {', '.join(map(repr, unknown))}; known: "
+                                 f"{', '.join(_TYPES)}")
+        return cls(**settings)
+
+    @classmethod
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """One option per setting: --max-num-seqs N, --enable-prefix-caching / --no-enable-prefix-caching, ..."""
+        for f in dataclasses.fields(cls):
+            flag, kind, meta = "--" + f.name.replace("_", "-"), _TYPES[f.name], f.metadata
+            default = f"default {f.default}" if f.default is not None else "optional"
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                    help=f"{meta['help']} ({default})")
+            else:
+                parser.add_argument(flag, type=kind, default=f.default, choices=meta["choices"],
+                                    help=f"{meta['help']} ({default})")
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{name: getattr(args, name) for name in _TYPES})
+
+
+# each setting's plain type (int for `int | None`)
+_TYPES = {name: next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+          for name, hint in typing.get_type_hints(EngineConfig).items()}

@@ -1,0 +1,59 @@
+"""A StepPlan as the flat device tensors a forward pass reads: token ids, positions, cache slots and the
+AttentionMetadata, built on the host and uploaded in one asynchronous copy.
+
+`rows` pads the batch to a captured CUDA graph's size: padding rows have no keys and write no cache slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashpage.engine.step import StepPlan
+from flashpage.kv import slot
+from flashpage.model import AttentionMetadata
+
+
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, copied asynchronously from pinned memory on CUDA."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@dataclass
+class StepInputs:
+    ids: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_index: list[int]  # the rows of the hidden states that give logits, in plan order
+    from_last_step: torch.Tensor  # [2 * k] int64: pairs (row of ids, row of the last step's sampled tokens)
+
+
+def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: int | None = None) -> StepInputs:
+    seqs = plan.seqs
+    rows = rows or len(seqs)
+    tokens, positions, slots, cu, seq_lens, logits_index, deferred = [], [], [], [0], [], [], []
+    for s in seqs:
+        if s.last_token_from_row is not None:
+            deferred += [len(tokens) + len(s.token_ids) - 1, s.last_token_from_row]
+        tokens += s.token_ids
+        positions += s.positions
+        slots += [slot(s.block_table, p, block_size) for p in s.positions]
+        cu.append(cu[-1] + len(s.token_ids))
+        seq_lens.append(s.positions[-1] + 1)
+        logits_index += range(cu[-1] - s.num_logits, cu[-1])
+    padding = rows - len(seqs)
+    tokens += [0] * padding
+    positions += [0] * padding
+    slots += [-1] * padding
+    seq_lens += [0] * padding
+    cu += range(cu[-1] + 1, cu[-1] + 1 + padding)
+    width = max(len(s.block_table) for s in seqs)
+    table = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))] + [0] * (padding * width)
+    n = len(tokens)
+    packed = upload(tokens + positions + slots + seq_lens + cu + table + deferred, torch.int64, device)
+    ids, positions_t, slots_t, lens_t, cu_t, table_t, deferred_t = packed.split(
+        [n, n, n, rows, rows + 1, rows * width, len(deferred)])
+    meta = AttentionMetadata(cu_t.int(), lens_t.int(), max(len(s.token_ids) for s in seqs), positions_t, slots_t,
+                             table_t.int().view(rows, width))
+    return StepInputs(ids, meta, logits_index, deferred_t)
