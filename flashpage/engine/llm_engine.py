@@ -6,6 +6,7 @@ back: appends tokens, checks stops, builds outputs.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -54,6 +55,10 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.eos_ids = set(self.config.eos_token_ids)
         self.num_aborted = 0  # requests stopped before they finished
+        # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
+        # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
+        gc.collect()
+        gc.freeze()
 
     @property
     def max_model_len(self) -> int:
@@ -151,13 +156,12 @@ class LLMEngine:
         for seq_id, entries in result.prompt_logprobs.items():
             if seq_id in self.seqs:
                 self.seqs[seq_id].prompt_logprobs += entries
-        for seq_id, tokens in result.sampled.items():
-            seq = self.seqs.get(seq_id)
-            for sampled in tokens:
-                if seq is None or seq.finished:
-                    break  # finished (or aborted) while this step ran: the token is dropped
-                self._append(seq, sampled)
-                advanced[seq.request_id] = self.requests[seq.request_id]
+        for sampled in result.sampled:
+            seq = self.seqs.get(sampled.seq_id)
+            if seq is None or seq.finished:
+                continue  # finished (or aborted) while this step ran: the token is dropped
+            self._append(seq, sampled)
+            advanced[seq.request_id] = self.requests[seq.request_id]
         return [self._output(req) for req in advanced.values()]
 
     def _append(self, seq: Sequence, sampled: SampledToken) -> None:

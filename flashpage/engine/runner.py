@@ -58,7 +58,7 @@ class StepFuture:
         for i, spec in enumerate(self.samples):
             k = spec.row.params.logprobs
             top = None if k is None else dict(zip(top_ids[i][:k], top_lps[i][:k])) if k else {}
-            out.sampled.setdefault(spec.seq_id, []).append(SampledToken(tokens[i], logprobs[i], top))
+            out.sampled.append(SampledToken(spec.seq_id, tokens[i], logprobs[i], top))
         for seq_id, (targets, chosen, ids, values) in self.prompt.items():
             chosen = chosen.tolist()
             tops = zip(ids.tolist(), values.tolist()) if ids is not None else ([[], []] for _ in targets)

@@ -94,14 +94,14 @@ class Scheduler:
             step.prompt_targets = seq.token_ids[start + 1:min(start + n, last_prompt) + 1]
         if seq.num_computed == len(seq.token_ids):  # its last token: draw the next one (forks draw from it too)
             step.num_logits = 1
-            row = plan.num_logits
+        row = plan.add(step)
+        if step.num_logits:
             for s in [seq, *seq.forks]:
                 if s is not seq:
                     self.fork(seq, s)
                 plan.samples.append(SampleSpec(s.seq_id, row, s.sample_row()))
                 self._expect_token(s, len(plan.samples) - 1)
             seq.forks = []
-        plan.seqs.append(step)
 
     def _expect_token(self, seq: Sequence, sample_row: int) -> None:
         """The step will sample the sequence's next token: hold its place until it is read back."""

@@ -57,7 +57,7 @@ class Sequence:
         """How to draw this sequence's next token. The stream depends only on the seed, the sample index and the
         position, so a seeded request gives the same tokens whatever else is batched with it."""
         num_output = len(self.token_ids) - self.num_prompt_tokens
-        blocked = self.stop_ids if num_output < self.params.min_tokens else []
-        history = list(self.token_ids) if self.params.uses_penalties else []  # only penalties read it
+        blocked = self.stop_ids if num_output < self.params.min_tokens else ()
+        history = list(self.token_ids) if self.params.uses_penalties else ()  # only penalties read it
         return SampleRow(self.params, history, num_output, hash((self.seed, self.index, len(self.token_ids))) % 2**63,
                          blocked)

@@ -4,18 +4,20 @@
 One step computes, for each scheduled sequence, some tokens at explicit positions (a prompt chunk, a decode token,
 or a token plus proposals to verify), writing their K/V into the sequence's blocks. The last `num_logits` of them
 give logits; each `SampleSpec` draws one token from one logits row, so a sequence can get several tokens back
-(speculative verification) and forked samples can share their parent's row.
+(speculative verification) and forked samples can share their parent's row. `StepResult.sampled` has one
+`SampledToken` per `SampleSpec`, in the same order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flashpage.kv import CopyOp
 from flashpage.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqStep:
     """One sequence's share of a step."""
     seq_id: int
@@ -25,45 +27,49 @@ class SeqStep:
     num_logits: int = 0  # the last num_logits tokens give logits rows (0: a prompt chunk that is not the last)
     last_token_from_row: int | None = None  # token_ids[-1] is the previous step's sampled token of this row
     prompt_logprobs: int | None = None  # top-k log-probs of each prompt token this step's tokens predict
-    prompt_targets: list[int] = field(default_factory=list)  # those prompt tokens (token_ids[i] predicts [i])
+    prompt_targets: list[int] | None = None  # those prompt tokens (token_ids[i] predicts [i])
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """How to draw one token: the sequence's parameters and what they look at."""
     params: SamplingParams
-    token_ids: list[int]  # prompt + output so far, where penalties look at them (else empty)
+    token_ids: Sequence[int]  # prompt + output so far, where penalties look at them (else empty)
     num_output: int
     seed: int  # this draw's random stream
-    blocked: list[int] = field(default_factory=list)  # tokens it may not pick yet (stop tokens before min_tokens)
+    blocked: Sequence[int] = ()  # tokens it may not pick yet (stop tokens before min_tokens)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleSpec:
     seq_id: int  # the sequence the token is for
     logits_row: int  # which row of the step's logits (rows in SeqStep order, num_logits each)
     row: SampleRow
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     seqs: list[SeqStep] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)  # block copies (copy-on-write) to do before the step
+    num_logits: int = 0  # logits rows of all seqs
 
-    @property
-    def num_logits(self) -> int:
-        return sum(s.num_logits for s in self.seqs)
+    def add(self, step: SeqStep) -> int:
+        """Append a sequence's share; returns the index of its first logits row."""
+        self.seqs.append(step)
+        self.num_logits += step.num_logits
+        return self.num_logits - step.num_logits
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
+    seq_id: int
     token_id: int
     logprob: float  # under the model's raw distribution
     top: dict[int, float] | None = None  # top-k {token id: logprob}, best first, when the request asked for them
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
-    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)  # seq_id -> its tokens, in order
+    sampled: list[SampledToken] = field(default_factory=list)  # in plan order: a sequence's tokens in turn
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> one per target
