@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -127,3 +128,28 @@ def test_cli_errors_are_one_line_not_tracebacks():
     r = subprocess.run([sys.executable, "-m", "flashpage", "generate", "hi", "--temperature", "-1"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "SamplingParams.temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_settings_are_declared_once_and_checked():
+    """LLM, the CLI and the server take exactly EngineConfig's fields; bad ones fail before any model loads."""
+    import argparse
+    import dataclasses
+
+    from flashpage.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="unknown engine setting.*'attention_backend'"):
+        LLM("no-such-model", attention_backend="torch")
+    for name, value in [("max_num_seqs", 0), ("block_size", 12), ("max_num_seqs", "8"), ("kernels", "cuda"),
+                        ("gpu_memory_utilization", 1.5), ("enable_prefix_caching", "yes"), ("max_model_len", 2.5)]:
+        with pytest.raises(ValueError, match=name) as e:
+            LLM("no-such-model", **{name: value})
+        assert e.value.param == name
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["--max-num-seqs", "8", "--no-enable-prefix-caching", "--enforce-eager", "--seed", "3"])
+    cfg = EngineConfig.from_cli(args)
+    assert dataclasses.asdict(cfg) == {**dataclasses.asdict(EngineConfig()), "max_num_seqs": 8,
+                                       "enable_prefix_caching": False, "enforce_eager": True, "seed": 3}
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    for f in dataclasses.fields(EngineConfig):  # README lists every setting, as a parameter and as an option
+        assert f"`{f.name}`" in readme and f"--{f.name.replace('_', '-')}" in readme, f.name
