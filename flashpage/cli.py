@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        module = importlib.import_module(f"flashpage.bench.{args.suite}")
+        try:
+            module = importlib.import_module(f"flashpage.bench.{args.suite}")
+        except ModuleNotFoundError as e:
+            print(f"flashpage: error: bench {args.suite} needs the package {e.name!r} (pip install "
+                  f"'flashpage[triton]' on a machine with a CUDA GPU)", file=sys.stderr)
+            return 2
         return module.main(args.rest)
     if args.command == "serve":
         return _serve(args)

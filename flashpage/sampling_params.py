@@ -29,12 +29,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-
         def bad(name, why):
             raise ParameterError(name, f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            bad("stop", "must be a non-empty string or a list of them")
+        self.stop = list(self.stop or [])
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
 
         def is_int(x):
             return isinstance(x, int) and not isinstance(x, bool)

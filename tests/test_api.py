@@ -93,7 +93,8 @@ def test_context_limit_and_bad_prompts(smollm_gguf):
                                          ("stop_token_ids", [-1]), ("temperature", float("inf")),
                                          ("temperature", float("nan")), ("repetition_penalty", float("inf")),
                                          ("top_p", float("nan")), ("min_p", float("nan")),
-                                         ("presence_penalty", float("nan")), ("frequency_penalty", float("-inf"))])
+                                         ("presence_penalty", float("nan")), ("frequency_penalty", float("-inf")),
+                                         ("stop", 5), ("stop", [""]), ("stop_token_ids", 5)])
 def test_sampling_params_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -153,3 +154,22 @@ def test_engine_settings_are_declared_once_and_checked():
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     for f in dataclasses.fields(EngineConfig):  # README lists every setting, as a parameter and as an option
         assert f"`{f.name}`" in readme and f"--{f.name.replace('_', '-')}" in readme, f.name
+
+
+def test_bad_batches_name_the_prompt_and_chat_outputs_carry_their_prompt(smollm_llm):
+    with pytest.raises(ValueError, match="prompts must be") as e:
+        smollm_llm.generate(None)
+    assert e.value.param == "prompts"
+    with pytest.raises(ValueError, match=r"prompt 2: prompt token ids must be integers"):
+        smollm_llm.generate(["a", "b", {"prompt_token_ids": [1, 10**6]}], use_tqdm=False)
+    assert smollm_llm.stats()["num_waiting"] == smollm_llm.stats()["num_running"] == 0  # nothing was admitted
+    messages = [{"role": "user", "content": "Hi"}]
+    out = smollm_llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt == smollm_llm.tokenizer.apply_chat_template(messages, True)
+    assert out.prompt_token_ids == smollm_llm.chat_prompt_ids(messages)
+
+
+def test_bench_without_triton_is_one_line_not_a_traceback():
+    code = "import sys; sys.modules['triton'] = None; from flashpage import cli; sys.exit(cli.main(['bench', 'kernels', '--help']))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs the package 'triton'" in r.stderr and "Traceback" not in r.stderr

@@ -110,6 +110,16 @@ def test_openai_client_completions_and_chat_equal_llm(served, smollm_llm):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
     assert chunks[-1].usage.completion_tokens == len(want.token_ids) and chunks[-1].choices == []
+    for k in (0, 2):  # each token's own log-prob, and exactly k alternatives (OpenAI's top_logprobs)
+        got = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=4, logprobs=True,
+                                        top_logprobs=k)
+        want = smollm_llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, logprobs=max(k, 1)),
+                               use_tqdm=False)[0].outputs[0]
+        content = got.choices[0].logprobs.content
+        assert [len(e.top_logprobs) for e in content] == [k] * len(want.token_ids)
+        for e, token, lps in zip(content, want.token_ids, want.logprobs):
+            assert e.logprob == pytest.approx(lps[token], abs=1e-5)
+            assert [t.logprob for t in e.top_logprobs] == pytest.approx(sorted(lps.values(), reverse=True)[:k], abs=1e-5)
     wait_idle(served[1])
 
 
@@ -174,6 +184,8 @@ def test_error_statuses_and_bodies(served, smollm_llm):
         for value in (b"Infinity", b"NaN"):
             status, body = post("/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "%s": %s}' % (field.encode(), value))
             assert status == 400 and body["error"]["param"] == field, (field, value, body)
+    status, body = post("/v1/completions", {**ok, "prompt": []})  # no prompt is an error, not an empty 200
+    assert status == 400 and body["error"]["param"] == "prompt"
     status, body = post("/v1/completions", raw=b'{"prompt": "hi",')
     assert status == 400 and "malformed JSON" in body["error"]["message"]
     status, body = post("/v1/chat/completions", {"model": MODEL, "messages": []})

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine, streamable_end
+from flashpage.errors import ParameterError
 from flashpage.loader.default_model import DEFAULT_MODEL
 from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from flashpage.sampling_params import BeamSearchParams, SamplingParams
@@ -39,10 +40,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete each prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}); outputs keep input order."""
         prompts = _as_prompt_list(prompts)
-        requests = [self._tokenize(p) for p in prompts]
+        requests = [_at(i, self._tokenize, p) for i, p in enumerate(prompts)]
         params = self._params_list(sampling_params, len(requests))
-        for (_, ids), sp in zip(requests, params):  # validate everything before anything runs
-            self.engine.validate(ids, sp)
+        for i, ((_, ids), sp) in enumerate(zip(requests, params)):  # validate everything before anything runs
+            _at(i, self.engine.validate, ids, sp)
         ids_in_order = []
         for (text, ids), sp in zip(requests, params):
             request_id = str(next(self._request_ids))
@@ -54,12 +55,14 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of messages) or several, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c, add_generation_prompt)} for c in conversations]
+        tok = self._require_tokenizer()
+        texts = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        # The rendered template already holds any BOS it wants, so no special tokens are added (as transformers).
+        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         tok = self._require_tokenizer()
-        # The rendered template already holds any BOS it wants, so no special tokens are added (as transformers).
         return tok.encode(tok.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
@@ -192,4 +195,15 @@ def _as_prompt_list(prompts) -> list:
     """One prompt (text, token ids or a dict) or a list of them -> a list of prompts."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ParameterError("prompts", "prompts must be a string, a list of token ids, a dict, or a list of them; "
+                             f"got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _at(index: int, check, *args):
+    """Run a per-prompt check; its error names the prompt's index in the batch."""
+    try:
+        return check(*args)
+    except ValueError as e:
+        raise ParameterError(getattr(e, "param", "prompt"), f"prompt {index}: {e}") from None

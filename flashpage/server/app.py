@@ -103,6 +103,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         if body.echo:
             raise APIError(400, "echo is not supported", "invalid_request_error", 400, "echo")
         params = _params(body, body.max_tokens, body.logprobs)
+        if not body.prompts():
+            raise APIError(400, "prompt is empty: give a string, token ids, or a non-empty list of them",
+                           "invalid_request_error", 400, "prompt")
         prompts = [_tokenize(p, tokenizer) for p in body.prompts()]
         for ids in prompts:
             _validate(engine, ids, params)
@@ -156,7 +159,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
                         model_name, metrics)
         finals = await _collect(streams, request, metrics)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": _chat_logprobs(o, tokenizer) if body.logprobs else None,
+                    "logprobs": _chat_logprobs(o, tokenizer, top) if body.logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in finals[0].outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(finals)}
@@ -339,9 +342,10 @@ def _completion_logprobs(o, tokenizer: Tokenizer | None) -> dict | None:
             "top_logprobs": [{text(k): v for k, v in e.items()} for e in o.logprobs], "text_offset": []}
 
 
-def _chat_logprobs(o, tokenizer: Tokenizer) -> dict:
+def _chat_logprobs(o, tokenizer: Tokenizer, k: int) -> dict:
+    """OpenAI's chat log-probs: each token's own, and its position's k most likely (none for k = 0)."""
     def entry(t, lp):
         s = tokenizer.decode([t], skip_special_tokens=False)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-    return {"content": [{**entry(t, e[t]), "top_logprobs": [entry(k, v) for k, v in sorted(e.items(), key=lambda kv: -kv[1])]}
+    return {"content": [{**entry(t, e[t]), "top_logprobs": [entry(i, v) for i, v in sorted(e.items(), key=lambda kv: -kv[1])[:k]]}
                         for t, e in zip(o.token_ids, o.logprobs or [])]}
