@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--max-waiting", type=int, default=256, help="waiting requests beyond this get 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0,
+                       help="on SIGTERM, seconds running requests may still run before they are aborted (default 5)")
     bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput (CUDA GPU); serve (a running server)")
     bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
@@ -95,10 +97,19 @@ def _serve(args) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         print(f"flashpage: error: {e}", file=sys.stderr)
         return 2
-    # uvicorn turns SIGTERM into a graceful shutdown (stop accepting, the app's lifespan aborts what is left),
-    # then re-raises it under the handler it found: make that one exit 0.
+    grace = args.shutdown_timeout
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # uvicorn stops accepting and then waits for open responses; the engine refuses new requests, lets the
+            # running ones go on for `grace` seconds and then aborts them, which ends every open stream.
+            engine.shutdown(grace, wait=False)
+            super().handle_exit(sig, frame)
+
+    # uvicorn re-raises SIGTERM under the handler it found once it has shut down: make that one exit 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                          timeout_graceful_shutdown=grace + 10)).run()
     return 0
 
 

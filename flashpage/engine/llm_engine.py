@@ -114,17 +114,18 @@ class LLMEngine:
         self.seqs[seq.seq_id] = seq
         return seq
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now; its KV blocks are freed at once."""
-        req = self.requests.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its KV blocks are freed at once. Returns its final output (unfinished samples with
+        finish_reason "abort"), or None for an unknown or finished request."""
+        req = self.requests.get(request_id)
         if req is None:
-            return  # unknown, or already finished
+            return None
         self.num_aborted += 1
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
-            self.seqs.pop(seq.seq_id, None)
+        return self._output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -40,6 +40,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._deadline = 0.0  # once stopping: when what still runs is aborted
         self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
         self._thread.start()
 
@@ -83,22 +84,24 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop admitting; abort what is still running; stop the thread."""
+    def shutdown(self, grace: float = 0.0, wait: bool = True) -> None:
+        """Stop admitting (new requests get 503); let running requests go on for up to `grace` seconds, then abort
+        the rest (each stream gets a final output with finish_reason "abort"); stop the thread."""
         with self._lock:
-            self._stop = True
+            if not self._stop:
+                self._stop, self._deadline = True, time.perf_counter() + grace
         self._wake.set()
-        self._thread.join(timeout)
+        if wait:
+            self._thread.join(grace + 10)
 
     # ----- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         eng = self.engine
         while True:
             self._drain_inbox()
-            if self._stop:
+            if self._stop and (time.perf_counter() >= self._deadline or not eng.has_unfinished_requests()):
                 for request_id in eng.unfinished_request_ids():
-                    eng.abort_request(request_id)
-                    self._send(request_id, RuntimeError("the server shut down before this request finished"))
+                    self._send(request_id, Update(eng.abort_request(request_id), time.perf_counter()))
                 self.stats = eng.stats()
                 return
             if not eng.has_unfinished_requests():
@@ -129,6 +132,9 @@ class AsyncEngine:
                     self._pending -= 1
                 if request_id not in self._queues:
                     continue  # the client left before admission
+                if self._stop:
+                    self._send(request_id, EngineOverloaded("the server is shutting down"))
+                    continue
                 try:
                     self.engine.add_request(request_id, ids, params, prompt)
                 except ValueError as e:
