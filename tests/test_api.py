@@ -173,3 +173,13 @@ def test_bench_without_triton_is_one_line_not_a_traceback():
     code = "import sys; sys.modules['triton'] = None; from flashpage import cli; sys.exit(cli.main(['bench', 'kernels', '--help']))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 2 and "needs the package 'triton'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_request_metrics_are_in_order(smollm_llm):
+    import time
+
+    start = time.time()
+    out = smollm_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    m = out.metrics
+    assert start <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    assert m.last_token_time <= m.finished_time <= time.time() and m.time_in_queue >= 0

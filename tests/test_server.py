@@ -228,6 +228,55 @@ def test_metrics_parse_and_move(served):
         assert name in after
 
 
+def test_metrics_add_up_with_aborts_and_vllm_names(smollm_llm):
+    """Every sample that ends counts once under its finish reason (client departures as aborts); every generated
+    token once; each token after a sample's first gives one inter-token latency; vLLM's phase histograms count
+    the requests that finished."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = AsyncEngine(engine_from(smollm_llm), max_waiting=64)
+    server = RunningServer(build_app(engine, smollm_llm.tokenizer, MODEL))
+    try:
+        c = httpx.Client(base_url=server.url, timeout=120)
+        body = {"model": MODEL, "temperature": 0, "ignore_eos": True}
+        for i in range(3):
+            assert c.post("/v1/completions", json={**body, "prompt": f"Fact {i}:", "max_tokens": 5}).status_code == 200
+        assert c.post("/v1/completions", json={**body, "prompt": "Two:", "max_tokens": 4, "n": 2, "temperature": 1,
+                                               "seed": 1}).status_code == 200
+        for i in range(2):  # clients that leave mid-stream
+            with c.stream("POST", "/v1/completions", json={**body, "prompt": f"Long {i}:", "max_tokens": 500,
+                                                            "stream": True}) as r:
+                events = 0
+                for line in r.iter_lines():
+                    events += line.startswith("data: ")
+                    if events == 2:
+                        break
+        wait_idle(engine)
+        deadline = time.time() + 10
+        while True:
+            text = c.get("/metrics").text
+            samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+            value = lambda name, **labels: sum(s.value for s in samples if s.name == name  # noqa: E731
+                                               and all(s.labels.get(k) == v for k, v in labels.items()))
+            if value("flashpage_requests_total", finish_reason="abort") == 2 or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert value("flashpage_requests_total") == 3 + 2 + 2
+        assert value("flashpage_requests_total", finish_reason="length") == 5
+        assert value("flashpage_requests_total", finish_reason="abort") == 2
+        assert value("flashpage_generation_tokens_total") == value("flashpage_inter_token_latency_seconds_count") + 7
+        assert value("flashpage_generation_tokens_total") >= 3 * 5 + 2 * 4 + 2 * 2
+        assert value("flashpage_time_to_first_token_seconds_count") == 6
+        for name in ("vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+                     "vllm:request_decode_time_seconds_count"):
+            assert value(name) == 4, name
+        assert value("vllm:iteration_tokens_total_sum") >= value("flashpage_prompt_tokens_total")
+        assert value("vllm:prefix_cache_queries_total") >= value("vllm:prefix_cache_hits_total") >= 0
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
                            | st.text(max_size=20), lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)

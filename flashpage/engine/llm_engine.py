@@ -6,9 +6,11 @@ back: appends tokens, checks stops, builds outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import random
+import time
 from dataclasses import dataclass, field
 
 from flashpage.engine.config import EngineConfig
@@ -19,7 +21,7 @@ from flashpage.engine.step import SampledToken
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
 from flashpage.loader import LoadedModel
-from flashpage.outputs import CompletionOutput, RequestOutput
+from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from flashpage.sampling_params import SamplingParams
 from flashpage.tokenizer import IncrementalDetokenizer
 
@@ -37,6 +39,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
 
 
@@ -55,6 +58,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.eos_ids = set(self.config.eos_token_ids)
         self.num_aborted = 0  # requests stopped before they finished
+        self.last_step_tokens = 0  # tokens the last step computed
         # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
         # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
         gc.collect()
@@ -93,7 +97,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        req = Request(request_id, prompt, list(prompt_token_ids), params)
+        req = Request(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(time.time()))
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         req.seqs = [self._new_sequence(req, index, seed) for index in range(params.n)]
         req.seqs[0].forks = req.seqs[1:]  # forked off the first once its prompt is computed, sharing its blocks
@@ -140,6 +144,7 @@ class LLMEngine:
         the last one, whose tokens this step reads on the device; otherwise a step is read back at once."""
         plan = self.scheduler.schedule()
         launched = None
+        self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
         if plan.seqs:
             # Penalties need every earlier token on the host before the next step samples.
             overlap = self.cfg.overlap and not any(s.row.params.uses_penalties for s in plan.samples)
@@ -157,12 +162,15 @@ class LLMEngine:
         for seq_id, entries in result.prompt_logprobs.items():
             if seq_id in self.seqs:
                 self.seqs[seq_id].prompt_logprobs += entries
+        now = time.time()
         for sampled in result.sampled:
             seq = self.seqs.get(sampled.seq_id)
             if seq is None or seq.finished:
                 continue  # finished (or aborted) while this step ran: the token is dropped
             self._append(seq, sampled)
-            advanced[seq.request_id] = self.requests[seq.request_id]
+            req = advanced[seq.request_id] = self.requests[seq.request_id]
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            req.metrics.last_token_time = now
         return [self._output(req) for req in advanced.values()]
 
     def _append(self, seq: Sequence, sampled: SampledToken) -> None:
@@ -200,12 +208,14 @@ class LLMEngine:
         finished = all(s.finished for s in req.seqs)
         outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
                                     s.cumulative_logprob, s.logprobs) for s in req.seqs]
+        req.metrics.first_scheduled_time = req.seqs[0].first_scheduled_time
         if finished:
+            req.metrics.finished_time = time.time()
             for s in req.seqs:
                 self.seqs.pop(s.seq_id, None)
             del self.requests[req.request_id]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished,
-                             req.seqs[0].prompt_logprobs)
+                             req.seqs[0].prompt_logprobs, dataclasses.replace(req.metrics))
 
     # ----- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:

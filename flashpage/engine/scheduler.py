@@ -11,6 +11,7 @@ compute on (the runner reads it on the device).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from flashpage.engine.sequence import FINISHED, PENDING, RUNNING, WAITING, Sequence
@@ -72,6 +73,7 @@ class Scheduler:
                 self.prefix_queries += (len(lookup) - 1) // self.bm.block_size * self.bm.block_size
                 self.prefix_hits += cached
             seq.status, seq.num_computed = RUNNING, cached
+            seq.first_scheduled_time = seq.first_scheduled_time or time.time()
             self.running.append(seq)
             self._schedule(seq, n, out)
             budget -= n

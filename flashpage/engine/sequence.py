@@ -35,6 +35,7 @@ class Sequence:
     num_pending: int = 0  # PENDING tokens at the end of token_ids
     pending_row: int | None = None  # the last step's sample row of its PENDING token
     last_pending: bool = False  # its pending token ends it (length limit): schedule nothing more
+    first_scheduled_time: float | None = None  # time.time() of its first admission
 
     @property
     def output_token_ids(self) -> list[int]:

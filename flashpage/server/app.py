@@ -43,6 +43,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
 
     app = FastAPI(title="flashpage", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
+    engine.step_observers.append(metrics.iteration_tokens.observe)
 
     # ----- errors: always OpenAI-style JSON, never a traceback -----
     @app.exception_handler(APIError)
@@ -119,7 +120,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
                                      "finish_reason": finish, "stop_reason": o.stop_reason if finish else None}]}
             return _sse(streams, prompts, params, chunk, None, body.stream_options, rid, "text_completion", model_name,
                         metrics)
-        finals = await _collect(streams, request, metrics)
+        finals = await _collect(streams, request, metrics, n)
         choices = [{"index": i * n + o.index, "text": o.text, "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason, "logprobs": _completion_logprobs(o, tokenizer)}
                    for i, out in enumerate(finals) for o in out.outputs]
@@ -157,7 +158,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
                                      "finish_reason": None}]}
             return _sse(streams, [ids], params, chunk, first, body.stream_options, rid, "chat.completion.chunk",
                         model_name, metrics)
-        finals = await _collect(streams, request, metrics)
+        finals = await _collect(streams, request, metrics, params.n)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": _chat_logprobs(o, tokenizer, top) if body.logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in finals[0].outputs]
@@ -226,34 +227,47 @@ async def _merged(streams) -> AsyncIterator[tuple[int, Update]]:
 
 
 class _Timing:
-    """Per-request latency bookkeeping for the metrics."""
+    """Per-request latency and token bookkeeping for the metrics. Counters add up: every generated token is counted
+    once; each sample's tokens after its first give one inter-token latency each; every sample that ends, however
+    it ends, counts once under its finish reason (`close` counts the ones a departed client left as aborts)."""
 
     def __init__(self, metrics: Metrics, num_prompts: int):
         self.metrics, self.start = metrics, time.perf_counter()
         self.first = [None] * num_prompts
-        self.last: dict[tuple[int, int], tuple[float, int]] = {}
+        self.last: dict[tuple[int, int], tuple[float, int]] = {}  # (prompt, sample) -> (time, tokens) so far
+        self.ended: set[tuple[int, int]] = set()
 
     def observe(self, i: int, update: Update) -> None:
-        if self.first[i] is None:
-            self.first[i] = update.time
-            self.metrics.ttft.observe(update.time - self.start)
-        for o in update.output.outputs:
-            prev_t, prev_n = self.last.get((i, o.index), (None, 0))
+        out, m = update.output, self.metrics
+        for o in out.outputs:
+            key = (i, o.index)
+            prev_t, prev_n = self.last.get(key, (None, 0))
             n = len(o.token_ids)
-            if prev_t is not None and n > prev_n:
-                self.metrics.itl.observe((update.time - prev_t) / (n - prev_n))
             if n > prev_n:
-                self.last[(i, o.index)] = (update.time, n)
-        if update.output.finished:
-            out = update.output
-            self.metrics.e2e.observe(update.time - self.start)
-            self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-            for o in out.outputs:
-                self.metrics.generation_tokens.inc(len(o.token_ids))
-                self.metrics.requests.labels(o.finish_reason or "unknown").inc()
+                if self.first[i] is None:
+                    self.first[i] = update.time
+                    m.ttft.observe(update.time - self.start)
+                    m.prompt_tokens.inc(len(out.prompt_token_ids))
+                m.generation_tokens.inc(n - prev_n)
+                gaps = n - prev_n - (prev_t is None)  # the sample's first token has no gap before it
+                for _ in range(gaps):
+                    m.itl.observe((update.time - prev_t) / (n - prev_n))
+                self.last[key] = (update.time, n)
+            if o.finish_reason is not None and key not in self.ended:
+                self.ended.add(key)
+                m.requests.labels(o.finish_reason).inc()
+        if out.finished:
+            m.e2e.observe(update.time - self.start)
+            m.request_finished(out.metrics)
+
+    def close(self, num_samples: int) -> None:
+        """The response is over: samples that never ended were aborted (their client left)."""
+        unended = len(self.first) * num_samples - len(self.ended)
+        if unended:
+            self.metrics.requests.labels("abort").inc(unended)
 
 
-async def _collect(streams, request: Request, metrics: Metrics) -> list[RequestOutput]:
+async def _collect(streams, request: Request, metrics: Metrics, num_samples: int) -> list[RequestOutput]:
     """Final outputs of all streams; a client that disconnects meanwhile aborts them."""
     finals: dict[int, RequestOutput] = {}
     timing = _Timing(metrics, len(streams))
@@ -270,6 +284,7 @@ async def _collect(streams, request: Request, metrics: Metrics) -> list[RequestO
             await asyncio.wait({task}, timeout=0.5)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
+                timing.close(num_samples)
                 raise APIError(499, "client disconnected", "client_closed_request", 499)
         task.result()
     except EngineOverloaded as e:
@@ -292,6 +307,7 @@ def _sse(streams, prompts, params, chunk, first_chunk, stream_options, rid, obj,
         sent: dict[tuple[int, int], int] = {}  # (prompt, sample) -> characters streamed
         closed: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
         finals: dict[int, RequestOutput] = {}
+        ended = False  # the stream ran to its end (else the client left mid-stream)
         try:
             if first_chunk:
                 for index in range(params.n):
@@ -310,14 +326,20 @@ def _sse(streams, prompts, params, chunk, first_chunk, stream_options, rid, obj,
                         yield _event(chunk(i, o, o.text[start:end], o.finish_reason if done else None))
                 if update.output.finished:
                     finals[i] = update.output
+            ended = True
             if include_usage:
                 yield _event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
                               "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])})
         except EngineOverloaded as e:
+            ended = True
             yield _event(error_body(str(e), "server_overloaded", 503))
         except (ValueError, RuntimeError) as e:
+            ended = True
             yield _event(error_body(str(e), "invalid_request_error" if isinstance(e, ValueError) else "service_unavailable",
                                     400 if isinstance(e, ValueError) else 503))
+        finally:
+            if not ended:  # closed mid-stream: the client left, which aborted what was still running
+                timing.close(params.n)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -41,6 +41,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._deadline = 0.0  # once stopping: when what still runs is aborted
+        self.step_observers: list = []  # called from the engine thread with each step's token count
         self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
         self._thread.start()
 
@@ -115,6 +116,8 @@ class AsyncEngine:
                     eng.abort_request(request_id)
                     self._send(request_id, RuntimeError(f"engine step failed: {e}"))
                 outputs = []
+            for observe in self.step_observers:
+                observe(eng.last_step_tokens)
             now = time.perf_counter()
             for out in outputs:
                 self._send(out.request_id, Update(out, now))

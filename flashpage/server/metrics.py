@@ -16,16 +16,32 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram("flashpage_e2e_request_latency_seconds", "Request latency, arrival to finish",
                              registry=r, buckets=_LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("flashpage_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("flashpage_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("flashpage_requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=r)
+        self.prompt_tokens = Counter("flashpage_prompt_tokens", "Prompt tokens of requests that produced a token",
+                                     registry=r)
+        self.generation_tokens = Counter("flashpage_generation_tokens", "Generated tokens sent (aborted requests' too)",
+                                         registry=r)
+        self.requests = Counter("flashpage_requests", "Samples ended, by finish reason (abort: the client left, or "
+                                "the server shut down)", ["finish_reason"], registry=r)
         self.running = Gauge("flashpage_num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("flashpage_num_requests_waiting", "Sequences waiting", registry=r)
         self.kv_usage = Gauge("flashpage_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.prefix_hit_rate = Gauge("flashpage_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)",
                                      registry=r)
         self.preemptions = Gauge("flashpage_num_preemptions", "Preemptions since start", registry=r)
+        # vLLM's names, for the quantities flashpage has
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduling", registry=r,
+                                    buckets=_LATENCY_BUCKETS)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "First scheduling to first token",
+                                      registry=r, buckets=_LATENCY_BUCKETS)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to last token", registry=r,
+                                     buckets=_LATENCY_BUCKETS)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step",
+                                          registry=r, buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                                               8192, 16384))
+        self._counted = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def update_engine(self, stats: dict) -> None:
         self.running.set(stats["num_running"])
@@ -34,3 +50,14 @@ class Metrics:
         q = stats["prefix_cache_queries"]
         self.prefix_hit_rate.set(stats["prefix_cache_hits"] / q if q else 0.0)
         self.preemptions.set(stats["num_preemptions"])
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
+            counter.inc(stats[key] - self._counted[key])
+            self._counted[key] = stats[key]
+
+    def request_finished(self, metrics) -> None:
+        """A request's phases from its RequestMetrics."""
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.observe(metrics.time_in_queue)
+            if metrics.first_token_time is not None:
+                self.prefill_time.observe(metrics.first_token_time - metrics.first_scheduled_time)
+                self.decode_time.observe(metrics.last_token_time - metrics.first_token_time)
