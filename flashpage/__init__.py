@@ -1,9 +1,11 @@
 """flashpage: a small, fast LLM inference engine for Llama-family models."""
 
 from flashpage.engine.llm import LLM
-from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from flashpage.outputs import (BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestMetrics,
+                               RequestOutput)
 from flashpage.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "RequestOutput",
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "Logprob",
+           "RequestMetrics", "RequestOutput",
            "SamplingParams"]
 __version__ = "0.1.0"

@@ -24,7 +24,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `flashpage` parser and its subcommands' parsers by name."""
     parser = argparse.ArgumentParser(prog="flashpage", description="Fast LLM inference for Llama-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
@@ -48,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput (CUDA GPU); serve (a running server)")
     bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
-    args = parser.parse_args(argv)
+    return parser, {"generate": gen, "chat": chat, "serve": serve, "bench": bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser()[0].parse_args(argv)
     if args.command == "bench":
         try:
             module = importlib.import_module(f"flashpage.bench.{args.suite}")

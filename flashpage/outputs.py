@@ -6,6 +6,14 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position, as vLLM's: its rank (1 = most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,7 +21,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop token or string), "length" (max_tokens or context), "abort", None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per generated token: {token id: logprob}, when asked for
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token, when asked: the sampled token first,
+    # then the top-k
 
 
 @dataclass
@@ -37,7 +46,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # first entry None, as in vLLM
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # first entry None, as in vLLM
     metrics: RequestMetrics | None = None
 
 

@@ -21,12 +21,18 @@ class SamplingParams:
     seed: int | None = None  # per request: the same seed gives the same tokens, whatever else runs
     max_tokens: int | None = 16  # None: up to the model's context
     min_tokens: int = 0
-    stop: str | list[str] | None = None  # strings that end generation; never part of the output text
+    stop: str | list[str] | None = None  # strings that end generation; not in the output text unless asked
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-k log-probabilities per generated token (plus the sampled one)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the text
+    logprobs: int | None = None  # top-k log-probabilities per generated token (plus the sampled one); -1: all
     prompt_logprobs: int | None = None  # likewise for each prompt token after the first
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, text stays empty
+    bad_words: list[str] = field(default_factory=list)  # words never generated (their last token is banned
+    # wherever the tokens before it were just generated)
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    logit_bias: dict[int, float] | None = None  # added to the logits of these tokens, in [-100, 100]
 
     def __post_init__(self):
         def bad(name, why):
@@ -73,10 +79,32 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of them")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative token ids")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs bounds them
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or not 0 <= value <= 20):
-                bad(name, "must be an integer in [0, 20] or None")
+            if value is not None and (not is_int(value) or value < -1):
+                bad(name, "must be an integer >= 0, -1 (the whole vocabulary) or None")
+        for name in ("include_stop_str_in_output", "detokenize", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        if self.stop and not self.detokenize:
+            bad("stop", "needs detokenize=True (stop strings are found in the text)")
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of non-empty strings")
+        self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None and (not isinstance(self.allowed_token_ids, (list, tuple))
+                                                   or not self.allowed_token_ids
+                                                   or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a map of token id to bias")
+            try:  # JSON keys are strings
+                bias = {int(t): b for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                bad("logit_bias", "must map token ids (integers) to biases")
+            if not all(t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in bias.items()):
+                bad("logit_bias", "must map token ids to finite biases in [-100, 100]")
+            self.logit_bias = bias
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +113,15 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Sampling reads the tokens generated so far on the host (so no step may run ahead of them)."""
+        return self.uses_penalties or bool(self.bad_words)
+
+    @property
+    def changes_logits(self) -> bool:
+        return self.uses_penalties or self.allowed_token_ids is not None or bool(self.logit_bias)
 
 
 @dataclass

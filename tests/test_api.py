@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -183,3 +184,44 @@ def test_request_metrics_are_in_order(smollm_llm):
     m = out.metrics
     assert start <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
     assert m.last_token_time <= m.finished_time <= time.time() and m.time_in_queue >= 0
+
+
+def test_vllm_sampling_extras(smollm_llm):
+    """include_stop_str_in_output, detokenize, bad_words, allowed_token_ids, logit_bias, logprobs=-1."""
+    from conftest import engine_from
+
+    tok = smollm_llm.tokenizer
+    ids = smollm_llm.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    run = lambda **kw: smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(**{  # noqa: E731
+        "temperature": 0, "max_tokens": 12, **kw}), use_tqdm=False)[0].outputs[0]
+    base = run()
+    assert base.text.startswith("The capital of France is Paris")
+    at = base.text.index("France")
+    assert run(stop=["France"]).text == base.text[:at]
+    assert run(stop=["France"], include_stop_str_in_output=True).text == base.text[:at + len("France")]
+    assert run(stop_token_ids=[base.token_ids[2]], include_stop_str_in_output=True).text == tok.decode(base.token_ids[:3])
+    plain = run(detokenize=False)
+    assert plain.text == "" and plain.token_ids == base.token_ids
+    banned = run(bad_words=["Paris"])
+    assert "Paris" not in banned.text and banned.text.startswith("The capital of France is")
+    forced = run(logit_bias={base.token_ids[0]: 100.0}, max_tokens=4)  # a +100 bias wins every greedy step
+    assert forced.token_ids == [base.token_ids[0]] * 4
+    allowed = [base.token_ids[3], base.token_ids[5], 42]
+    sampled = run(temperature=1.0, seed=3, allowed_token_ids=allowed, max_tokens=20, logprobs=0)
+    assert set(sampled.token_ids) <= set(allowed)
+    # log-probs stay those of the model's own distribution, not of the restricted one
+    assert sum(math.exp(e[t].logprob) for e, t in zip(sampled.logprobs, sampled.token_ids)) < len(sampled.token_ids)
+    for name, params in [("logit_bias", dict(logit_bias={49152: 1.0})), ("allowed_token_ids", dict(allowed_token_ids=[10**6])),
+                         ("logprobs", dict(logprobs=-1)), ("logprobs", dict(logprobs=21))]:
+        with pytest.raises(ValueError, match=name) as e:
+            run(**params)
+        assert e.value.param == name
+    everything = engine_from(smollm_llm, max_logprobs=-1)
+    everything.add_request("all", ids, SamplingParams(temperature=0, max_tokens=1, logprobs=-1))
+    out = None
+    while everything.has_unfinished_requests():
+        outs = everything.step()
+        out = outs[0] if outs else out
+    entry = out.outputs[0].logprobs[0]
+    assert len(entry) == 49152 and sorted(lp.rank for lp in entry.values()) == list(range(1, 49153))
+    assert abs(sum(math.exp(lp.logprob) for lp in entry.values()) - 1) < 1e-4

@@ -91,7 +91,7 @@ def test_cuda_graph_decode_equals_eager():
         for ca, cb in zip(a.outputs, b.outputs):
             assert (ca.logprobs is None) == (cb.logprobs is None)
             for t, da, db in zip(ca.token_ids, ca.logprobs or [], cb.logprobs or []):
-                assert da[t] == pytest.approx(db[t], rel=1e-2, abs=1e-2)
+                assert da[t].logprob == pytest.approx(db[t].logprob, rel=1e-2, abs=1e-2)
 
 
 TEXTS = [
@@ -242,15 +242,16 @@ def test_stop_strings_across_token_boundaries_and_streaming_holdback(smollm_llm)
     assert smollm_llm.stats()["num_running"] == 0
 
 
-def assert_logprob_entries_match(entries, chosen, ref, k):
-    """Each entry holds the chosen token and the true top-k under `ref` (rows of log-probabilities), every value
-    equal to ref's."""
+def assert_logprob_entries_match(entries, chosen, ref, k, tokenizer):
+    """Each entry holds the chosen token first, then the true top-k under `ref` (rows of log-probabilities), every
+    value, rank and decoded token as ref and the tokenizer have them."""
     assert len(entries) == len(chosen) == len(ref)
     for entry, token, row in zip(entries, chosen, ref):
-        top = set(row.topk(k).indices.tolist())
-        assert set(entry) == top | {token}
+        top = row.topk(k).indices.tolist()
+        assert next(iter(entry)) == token and set(entry) == set(top) | {token}
         for t, lp in entry.items():
-            assert isinstance(t, int) and abs(lp - row[t].item()) < 1e-4
+            assert isinstance(t, int) and abs(lp.logprob - row[t].item()) < 1e-4
+            assert lp.rank == int((row > row[t]).sum()) + 1 and lp.decoded_token == tokenizer.decode([t], skip_special_tokens=False)
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(smollm_llm, smollm_hf):
@@ -263,10 +264,11 @@ def test_logprobs_and_prompt_logprobs_match_transformers(smollm_llm, smollm_hf):
     gen = out.outputs[0].token_ids
     with torch.no_grad():
         ref = torch.log_softmax(smollm_hf(torch.tensor([ids + gen])).logits[0].double(), -1)
-    assert_logprob_entries_match(out.outputs[0].logprobs, gen, ref[len(ids) - 1:-1], 3)
-    assert abs(out.outputs[0].cumulative_logprob - sum(e[t] for e, t in zip(out.outputs[0].logprobs, gen))) < 1e-6
+    tok = smollm_llm.tokenizer
+    assert_logprob_entries_match(out.outputs[0].logprobs, gen, ref[len(ids) - 1:-1], 3, tok)
+    assert abs(out.outputs[0].cumulative_logprob - sum(e[t].logprob for e, t in zip(out.outputs[0].logprobs, gen))) < 1e-6
     assert out.prompt_logprobs[0] is None
-    assert_logprob_entries_match(out.prompt_logprobs[1:], ids[1:], ref[:len(ids) - 1], 2)
+    assert_logprob_entries_match(out.prompt_logprobs[1:], ids[1:], ref[:len(ids) - 1], 2, tok)
     assert again.prompt_logprobs == out.prompt_logprobs and again.outputs[0].token_ids == gen
 
 

@@ -118,8 +118,9 @@ def test_openai_client_completions_and_chat_equal_llm(served, smollm_llm):
         content = got.choices[0].logprobs.content
         assert [len(e.top_logprobs) for e in content] == [k] * len(want.token_ids)
         for e, token, lps in zip(content, want.token_ids, want.logprobs):
-            assert e.logprob == pytest.approx(lps[token], abs=1e-5)
-            assert [t.logprob for t in e.top_logprobs] == pytest.approx(sorted(lps.values(), reverse=True)[:k], abs=1e-5)
+            assert e.logprob == pytest.approx(lps[token].logprob, abs=1e-5)
+            assert [t.logprob for t in e.top_logprobs] == pytest.approx(
+                sorted((lp.logprob for lp in lps.values()), reverse=True)[:k], abs=1e-5)
     wait_idle(served[1])
 
 
@@ -361,4 +362,45 @@ def test_bench_serve_reports_throughput_and_latencies(served, tmp_path, capsys):
     assert rc == 0 and result["completed"] == 6 and result["failed"] == 0
     assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0 and result["itl"]["p99_ms"] > 0
     assert "throughput:" in capsys.readouterr().out
+    wait_idle(served[1])
+
+
+def test_completions_echo_logprobs_offsets_usage_and_unserved_fields(served, smollm_llm):
+    """echo with prompt log-probs (lm-evaluation-harness's log-likelihood call), text_offset equal streamed and
+    not, log-probs in streamed chunks, continuous usage, truncate_prompt_tokens, logit_bias, /version, and a 400
+    for a field flashpage does not serve."""
+    url, headers = served[0].url, {"Authorization": f"Bearer {KEY}"}
+    post = lambda body: httpx.post(url + "/v1/completions", json={"model": MODEL, **body}, headers=headers, timeout=60)  # noqa: E731
+    prompt = "The capital of France is"
+    ids = smollm_llm.tokenizer.encode(prompt)
+    want = smollm_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                               use_tqdm=False)[0]
+    r = post({"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert r["choices"][0]["text"] == prompt and r["usage"]["completion_tokens"] == 0
+    assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(ids)
+    for got, entry, t in zip(lp["token_logprobs"][1:], want.prompt_logprobs[1:], ids[1:]):
+        assert got == pytest.approx(entry[t].logprob, abs=1e-5)
+    body = {"prompt": prompt, "max_tokens": 6, "echo": True, "logprobs": 2, "temperature": 0, "ignore_eos": True}
+    whole = post(body).json()["choices"][0]
+    events = [json.loads(line[6:]) for line in httpx.post(url + "/v1/completions", json={
+        "model": MODEL, **body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+        headers=headers, timeout=60).text.splitlines() if line.startswith("data: {")]
+    chunks = [e for e in events if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    streamed = {key: [v for c in chunks for v in c["choices"][0]["logprobs"][key]] for key in whole["logprobs"]}
+    assert streamed == whole["logprobs"] and len(streamed["tokens"]) == len(ids) + 6
+    assert streamed["text_offset"] == sorted(streamed["text_offset"])
+    assert all("usage" in e for e in events) and events[-1]["usage"]["completion_tokens"] == 6
+    short = post({"prompt": prompt, "max_tokens": 1, "truncate_prompt_tokens": 2}).json()
+    assert short["usage"]["prompt_tokens"] == 2
+    biased = post({"prompt": prompt, "max_tokens": 3, "temperature": 0, "logit_bias": {"42": 100}}).json()
+    assert biased["choices"][0]["text"] == smollm_llm.tokenizer.decode([42, 42, 42])
+    with_prompt_lp = post({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}).json()
+    entries = with_prompt_lp["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and entries[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]].logprob, abs=1e-5)
+    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"})]:
+        r = post({"prompt": prompt, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert httpx.get(url + "/version").json()["version"]
     wait_idle(served[1])

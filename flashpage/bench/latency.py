@@ -181,7 +181,7 @@ def greedy_check(llm, hf, vocab: int, gen: torch.Generator, lengths=(5, 37, 128,
         theirs = ref.sequences[0, length:].tolist()
         first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         entry = {"prompt_len": length, "equal_tokens": n if first is None else first}
-        diffs = [abs(completion.logprobs[i][t] - float(torch.log_softmax(ref.scores[i][0].float(), -1)[t]))
+        diffs = [abs(completion.logprobs[i][t].logprob - float(torch.log_softmax(ref.scores[i][0].float(), -1)[t]))
                  for i, t in enumerate(ours[:entry["equal_tokens"]])]
         entry["max_logprob_diff"] = max(diffs, default=0.0)
         if first is not None:

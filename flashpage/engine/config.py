@@ -38,6 +38,7 @@ class EngineConfig:
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompts seen before")
     enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs, every step eager")
     overlap: bool = _setting(True, "schedule step N+1 before reading step N's tokens back")
+    max_logprobs: int = _setting(20, "most log-probs a request may ask for per token (-1: no limit)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -60,6 +61,8 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ParameterError("gpu_memory_utilization", "gpu_memory_utilization must be in (0, 1], got "
                                  f"{self.gpu_memory_utilization}")
+        if self.max_logprobs < -1:
+            raise ParameterError("max_logprobs", f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if not self.cpu_kv_cache_gb > 0:
             raise ParameterError("cpu_kv_cache_gb", f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
 

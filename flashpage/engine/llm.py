@@ -89,7 +89,7 @@ class LLM:
             candidates: list[list[tuple[list[int], float]]] = [[] for _ in tokenized]
             for (i, (tokens, cum)), out in zip(flat, outs):
                 for token, lp in out.outputs[0].logprobs[0].items():
-                    candidates[i].append((tokens + [token], cum + lp))
+                    candidates[i].append((tokens + [token], cum + lp.logprob))
             for i, cands in enumerate(candidates):
                 cands.sort(key=lambda c: c[1], reverse=True)
                 live[i] = []

@@ -21,7 +21,7 @@ from flashpage.engine.step import SampledToken
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
 from flashpage.loader import LoadedModel
-from flashpage.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from flashpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flashpage.sampling_params import SamplingParams
 from flashpage.tokenizer import IncrementalDetokenizer
 
@@ -59,6 +59,7 @@ class LLMEngine:
         self.eos_ids = set(self.config.eos_token_ids)
         self.num_aborted = 0  # requests stopped before they finished
         self.last_step_tokens = 0  # tokens the last step computed
+        self._token_texts: dict[int, str] = {}  # log-probs' decoded tokens
         # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
         # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
         gc.collect()
@@ -86,6 +87,18 @@ class LLMEngine:
             raise ParameterError("max_tokens", f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
                                  f"{n + params.max_tokens} tokens, over the model's context (max_model_len={limit}); "
                                  f"lower max_tokens or shorten the prompt")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            k = vocab if k == -1 else k
+            if k is not None and self.cfg.max_logprobs != -1 and k > self.cfg.max_logprobs:
+                raise ParameterError(name, f"{name}={getattr(params, name)} asks for {k} log-probs per token, over "
+                                     f"max_logprobs={self.cfg.max_logprobs} (an engine setting)")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            if ids and not all(t < vocab for t in ids):
+                raise ParameterError(name, f"{name} holds token ids outside the vocabulary [0, {vocab})")
+        if params.bad_words and self.tokenizer is None:
+            raise ParameterError("bad_words", "bad_words need a tokenizer, and this model has none")
         longest = limit if params.max_tokens is None else n + params.max_tokens
         need = -(-longest // self.cfg.block_size)
         if need > self.bm.num_blocks:
@@ -110,13 +123,34 @@ class LLMEngine:
             seq_id=next(self._seq_ids), request_id=req.request_id, index=index, token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids), params=p, seed=seed,
             stop_ids=list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids)),
+            bad_words=[ids for word in p.bad_words for ids in self._bad_word_ids(word)],
             detokenizer=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
-            if self.tokenizer else None,
+            if self.tokenizer and p.detokenize else None,
             logprobs=[] if p.logprobs is not None else None,
             prompt_logprobs=[None] if p.prompt_logprobs is not None else None,
         )
         self.seqs[seq.seq_id] = seq
         return seq
+
+    def _bad_word_ids(self, word: str) -> list[list[int]]:
+        """A bad word as tokens, alone and after a space (as vLLM bans both)."""
+        forms = {tuple(self.tokenizer.encode(w, add_special_tokens=False)) for w in (word.lstrip(), " " + word.lstrip())}
+        return [list(f) for f in sorted(forms) if f]
+
+    def _token_text(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    def _logprobs_entry(self, t: SampledToken) -> dict[int, Logprob]:
+        """vLLM's per-position log-probs: the token first, then the top-k by rank."""
+        entry = {t.token_id: Logprob(t.logprob, t.rank, self._token_text(t.token_id))}
+        for rank, (token, logprob) in enumerate(t.top.items(), 1):
+            entry.setdefault(token, Logprob(logprob, rank, self._token_text(token)))
+        return entry
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are freed at once. Returns its final output (unfinished samples with
@@ -146,8 +180,8 @@ class LLMEngine:
         launched = None
         self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
         if plan.seqs:
-            # Penalties need every earlier token on the host before the next step samples.
-            overlap = self.cfg.overlap and not any(s.row.params.uses_penalties for s in plan.samples)
+            # Penalties and bad words need every earlier token on the host before the next step samples.
+            overlap = self.cfg.overlap and not any(s.row.params.needs_history for s in plan.samples)
             launched = InFlight(self.runner.step(plan), overlap)
         outputs = self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
@@ -159,9 +193,9 @@ class LLMEngine:
     def _read_back(self, step: InFlight) -> list[RequestOutput]:
         result = step.future.result()
         advanced = {}
-        for seq_id, entries in result.prompt_logprobs.items():
+        for seq_id, tokens in result.prompt_logprobs.items():
             if seq_id in self.seqs:
-                self.seqs[seq_id].prompt_logprobs += entries
+                self.seqs[seq_id].prompt_logprobs += [self._logprobs_entry(t) for t in tokens]
         now = time.time()
         for sampled in result.sampled:
             seq = self.seqs.get(sampled.seq_id)
@@ -182,17 +216,18 @@ class LLMEngine:
         self.scheduler.commit(seq)
         seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
-            seq.logprobs.append({**sampled.top, token: sampled.logprob})
+            seq.logprobs.append(self._logprobs_entry(sampled))
         n_out = pos + 1 - seq.num_prompt_tokens
         eos = not p.ignore_eos and token in self.eos_ids  # (masked until min_tokens, as stop tokens are)
-        if seq.detokenizer and not (eos or token in p.stop_token_ids):  # a stop token's text is not output (vLLM)
+        # a stop token's text is left out, unless asked for (as vLLM)
+        if seq.detokenizer and (p.include_stop_str_in_output or not (eos or token in p.stop_token_ids)):
             seq.text += seq.detokenizer.step(token)
         if eos:
             self._finish(seq, "stop", None)
         elif token in p.stop_token_ids:
             self._finish(seq, "stop", token)
         elif p.stop and (hit := _first_stop(seq.text, p.stop)) is not None:
-            seq.text = seq.text[:hit[0]]
+            seq.text = seq.text[:hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)]
             self._finish(seq, "stop", hit[1])
         elif (p.max_tokens is not None and n_out >= p.max_tokens) or pos + 1 >= self.cfg.max_model_len:
             self._finish(seq, "length", None)

@@ -44,7 +44,8 @@ class StepFuture:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
         self.samples = samples
-        self.tensors = [to_host(t) for t in (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)]
+        self.tensors = [to_host(t) for t in (sampled.tokens, sampled.logprobs, sampled.ranks, sampled.top_ids,
+                                             sampled.top_logprobs)]
         self.prompt = {seq_id: (targets, *(to_host(t) for t in tensors)) for seq_id, (targets, *tensors) in prompt.items()}
         self.done = torch.cuda.Event() if cuda else None
         if cuda:
@@ -53,16 +54,21 @@ class StepFuture:
     def result(self) -> StepResult:
         if self.done is not None:
             self.done.synchronize()
-        tokens, logprobs, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
+        tokens, logprobs, ranks, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
         out = StepResult()
         for i, spec in enumerate(self.samples):
             k = spec.row.params.logprobs
-            top = None if k is None else dict(zip(top_ids[i][:k], top_lps[i][:k])) if k else {}
-            out.sampled.append(SampledToken(spec.seq_id, tokens[i], logprobs[i], top))
-        for seq_id, (targets, chosen, ids, values) in self.prompt.items():
-            chosen = chosen.tolist()
-            tops = zip(ids.tolist(), values.tolist()) if ids is not None else ([[], []] for _ in targets)
-            out.prompt_logprobs[seq_id] = [{**dict(zip(i, v)), t: c} for t, c, (i, v) in zip(targets, chosen, tops)]
+            if k is None:
+                out.sampled.append(SampledToken(spec.seq_id, tokens[i], logprobs[i]))
+            else:
+                k = len(top_ids[i]) if k == -1 else k
+                top = dict(zip(top_ids[i][:k], top_lps[i][:k])) if k else {}
+                out.sampled.append(SampledToken(spec.seq_id, tokens[i], logprobs[i], ranks[i], top))
+        for seq_id, (targets, chosen, rank, ids, values) in self.prompt.items():
+            chosen, rank = chosen.tolist(), rank.tolist()
+            tops = (dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())) if ids is not None else ({} for _ in targets)
+            out.prompt_logprobs[seq_id] = [SampledToken(seq_id, t, c, r, top)
+                                           for t, c, r, top in zip(targets, chosen, rank, tops)]
         return out
 
 
@@ -159,10 +165,11 @@ class ModelRunner:
         """Log-probabilities of the prompt tokens `hidden`'s rows predict, and the top-k of each row."""
         lp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         chosen = lp.gather(-1, upload(targets, torch.int64, self.device)[:, None])[:, 0]
+        rank = (lp > chosen[:, None]).sum(-1) + 1
         if not k:
-            return chosen, None, None
-        values, ids = lp.topk(k, dim=-1)
-        return chosen, ids, values
+            return chosen, rank, None, None
+        values, ids = lp.topk(lp.shape[-1] if k == -1 else k, dim=-1)
+        return chosen, rank, ids, values
 
     # ----- CUDA graphs ----------------------------------------------------------------------------
     def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> None:

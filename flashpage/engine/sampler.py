@@ -20,6 +20,7 @@ from flashpage.engine.step import SampleRow
 class Sampled:
     tokens: torch.Tensor  # [B] int64, on the device
     logprobs: torch.Tensor  # [B] float32: log-probability of each chosen token under the raw distribution
+    ranks: torch.Tensor | None  # [B] int64: each chosen token's rank (1 = most likely), where some row asked
     top_ids: torch.Tensor | None  # [B, k] where some row asked for top logprobs
     top_logprobs: torch.Tensor | None
 
@@ -29,11 +30,13 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     dev, vocab = logits.device, logits.shape[-1]
     masked = [(i, t) for i, r in enumerate(rows) for t in r.blocked]
     params = [r.params for r in rows]
-    k = max((p.logprobs for p in params if p.logprobs), default=0)
+    k = max((vocab if p.logprobs == -1 else p.logprobs for p in params if p.logprobs), default=0)
+    ranked = any(p.logprobs is not None for p in params)
     # Log-probabilities are reported under the raw distribution: taken before penalties and masks change it.
-    # Otherwise the chosen tokens' own come with them, and a full log-softmax is only for top-k.
-    changed = bool(masked) or any(p.uses_penalties for p in params)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if changed or k else None
+    # Otherwise the chosen tokens' own come with them, and a full log-softmax is only for top-k and ranks.
+    changed = bool(masked) or any(p.changes_logits for p in params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if changed or ranked else None
+    _restrict(logits, rows)
     _penalise(ops, logits, rows)
     if masked:
         logits[upload([i for i, _ in masked], torch.int64, dev), upload([t for _, t in masked], torch.int64, dev)] = float("-inf")
@@ -45,10 +48,27 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
     else:
         tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev),
                                     filtered=any(0 < p.top_k < vocab or p.top_p < 1 for p in params))
-    if changed:
+    if raw_logprobs is not None:  # (the same values the ranks and top-k compare against)
         chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
+    ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1 if ranked else None
     top = raw_logprobs.topk(k, dim=-1) if k else None
-    return Sampled(tokens, chosen, top.indices if top else None, top.values if top else None)
+    return Sampled(tokens, chosen, ranks, top.indices if top else None, top.values if top else None)
+
+
+def _restrict(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """allowed_token_ids (everything else masked) and logit_bias (added), as vLLM applies them."""
+    dev = logits.device
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if allowed:
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        keep[upload([i for i, _ in allowed], torch.int64, dev)] = False
+        keep[upload([i for i, ids in allowed for _ in ids], torch.int64, dev),
+             upload([t for _, ids in allowed for t in ids], torch.int64, dev)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+    if bias:
+        logits.index_put_((upload([i for i, _, _ in bias], torch.int64, dev), upload([t for _, t, _ in bias], torch.int64, dev)),
+                          upload([b for _, _, b in bias], torch.float32, dev), accumulate=True)
 
 
 def _sampling_tensors(rows: list[SampleRow], vocab: int, dev: torch.device) -> tuple[torch.Tensor, ...]:

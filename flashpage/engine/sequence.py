@@ -22,6 +22,7 @@ class Sequence:
     params: SamplingParams
     seed: int  # the request's seed, or one drawn for it: each draw's stream derives from it
     stop_ids: list[int]  # tokens that end it (EOS unless ignore_eos, stop_token_ids): blocked before min_tokens
+    bad_words: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids
     detokenizer: IncrementalDetokenizer | None = None
     forks: list[Sequence] = field(default_factory=list)  # samples 2..n, forked off once the prompt is computed
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -30,8 +31,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict] | None = None  # per generated token {token id: Logprob}
+    prompt_logprobs: list[dict | None] | None = None
     num_pending: int = 0  # PENDING tokens at the end of token_ids
     pending_row: int | None = None  # the last step's sample row of its PENDING token
     last_pending: bool = False  # its pending token ends it (length limit): schedule nothing more
@@ -59,6 +60,10 @@ class Sequence:
         position, so a seeded request gives the same tokens whatever else is batched with it."""
         num_output = len(self.token_ids) - self.num_prompt_tokens
         blocked = self.stop_ids if num_output < self.params.min_tokens else ()
+        if self.bad_words:  # a bad word's last token, where the output ends with the tokens before it
+            ends = [w[-1] for w in self.bad_words if len(w) - 1 <= num_output
+                    and self.token_ids[len(self.token_ids) - len(w) + 1:] == w[:-1]]
+            blocked = [*blocked, *ends]
         history = list(self.token_ids) if self.params.uses_penalties else ()  # only penalties read it
         return SampleRow(self.params, history, num_output, hash((self.seed, self.index, len(self.token_ids))) % 2**63,
                          blocked)

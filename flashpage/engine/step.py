@@ -63,13 +63,15 @@ class StepPlan:
 
 @dataclass(slots=True)
 class SampledToken:
+    """A token and its log-probability (a sampled token, or a prompt token's where prompt log-probs are asked)."""
     seq_id: int
     token_id: int
     logprob: float  # under the model's raw distribution
-    top: dict[int, float] | None = None  # top-k {token id: logprob}, best first, when the request asked for them
+    rank: int | None = None  # 1 = the most likely token; where log-probs were asked for
+    top: dict[int, float] | None = None  # top-k {token id: logprob}, best first, where asked for
 
 
 @dataclass(slots=True)
 class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)  # in plan order: a sequence's tokens in turn
-    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> one per target
+    prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # seq_id -> one per target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from flashpage import __version__
 from flashpage.engine.llm_engine import streamable_end
 from flashpage.outputs import RequestOutput
 from flashpage.server.async_engine import AsyncEngine, EngineOverloaded, Update
@@ -91,6 +93,10 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         metrics.update_engine(engine.stats)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
@@ -101,36 +107,72 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
     async def completions(body: CompletionRequest, request: Request):
         check_auth(request)
         check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", "invalid_request_error", 400, "echo")
-        params = _params(body, body.max_tokens, body.logprobs)
+        _refuse_unserved(body)
         if not body.prompts():
             raise APIError(400, "prompt is empty: give a string, token ids, or a non-empty list of them",
                            "invalid_request_error", 400, "prompt")
-        prompts = [_tokenize(p, tokenizer) for p in body.prompts()]
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "invalid_request_error", 400, "max_tokens")
+        echo_only = body.echo and body.max_tokens == 0  # the prompt's log-probs alone (lm-evaluation-harness)
+        prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        if body.prompt_logprobs is not None:
+            prompt_lp = max(body.prompt_logprobs, prompt_lp or 0)
+        params = _params(body, 1 if echo_only else body.max_tokens, body.logprobs, prompt_lp)
+        prompts = [_tokenize(p, tokenizer, body.truncate_prompt_tokens) for p in body.prompts()]
         for ids in prompts:
             _validate(engine, ids, params)
+        texts = [p if isinstance(p, str) and not body.truncate_prompt_tokens else _decode(ids, tokenizer)
+                 for p, ids in zip(body.prompts(), prompts)]
         rid = f"cmpl-{secrets.token_hex(12)}"
         streams = [engine.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
-        n = params.n
+        n, k = params.n, body.logprobs
+
+        def echoed(out: RequestOutput, i: int):
+            """The prompt's text and (token, entry) pairs, where echoed."""
+            if not body.echo:
+                return "", []
+            entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            return texts[i], list(zip(out.prompt_token_ids, entries))
+
         if body.stream:
-            def chunk(i, o, delta, finish):
+            offsets: dict[tuple[int, int], int] = {}  # (prompt, sample) -> text offset of its next token
+
+            def chunk(i, out, o, delta, tokens, finish):
+                if tokens is None:  # the first chunk of a sample: the echoed prompt
+                    delta, tokens = echoed(out, i)
+                elif echo_only:
+                    delta, tokens = "", []
+                logprobs = None
+                if k is not None:
+                    logprobs = _completion_logprobs(tokens, tokenizer, offsets.get((i, o.index), 0))
+                    offsets[i, o.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if tokens else \
+                        offsets.get((i, o.index), 0)
                 return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                        "choices": [{"index": i * n + o.index, "text": delta, "logprobs": None,
+                        "choices": [{"index": i * n + o.index, "text": delta, "logprobs": logprobs,
                                      "finish_reason": finish, "stop_reason": o.stop_reason if finish else None}]}
-            return _sse(streams, prompts, params, chunk, None, body.stream_options, rid, "text_completion", model_name,
-                        metrics)
+            return _sse(streams, params, chunk, None, body.stream_options, rid, "text_completion", model_name, metrics,
+                        echo=body.echo)
         finals = await _collect(streams, request, metrics, n)
-        choices = [{"index": i * n + o.index, "text": o.text, "finish_reason": o.finish_reason,
-                    "stop_reason": o.stop_reason, "logprobs": _completion_logprobs(o, tokenizer)}
-                   for i, out in enumerate(finals) for o in out.outputs]
+        choices = []
+        for i, out in enumerate(finals):
+            for o in out.outputs:
+                text, tokens = echoed(out, i)
+                if not echo_only:
+                    text, tokens = text + o.text, tokens + list(zip(o.token_ids, o.logprobs or [None] * len(o.token_ids)))
+                choices.append({"index": i * n + o.index, "text": text, "finish_reason": o.finish_reason,
+                                "stop_reason": o.stop_reason,
+                                "logprobs": None if k is None else _completion_logprobs(tokens, tokenizer)})
+                if body.prompt_logprobs is not None:  # vLLM's field: {token id: {logprob, rank, decoded_token}}
+                    choices[-1]["prompt_logprobs"] = [None if e is None else {t: dataclasses.asdict(lp) for t, lp in e.items()}
+                                                      for e in out.prompt_logprobs]
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": _usage(finals)}
+                "choices": choices, "usage": _usage(finals, echo_only)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_auth(request)
         check_model(body.model)
+        _refuse_unserved(body)
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template", "invalid_request_error", 400)
         top = body.top_logprobs if body.logprobs else None
@@ -143,24 +185,28 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request_error", 400, "messages") from e
         ids = tokenizer.encode(text, add_special_tokens=False)
+        if body.truncate_prompt_tokens:
+            ids = ids[-body.truncate_prompt_tokens:]
         _validate(engine, ids, params)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         streams = [engine.generate(rid, ids, params, prompt=text)]
         if body.stream:
-            def chunk(_, o, delta, finish):
+            def chunk(_, out, o, delta, tokens, finish):
                 return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
                         "choices": [{"index": o.index, "delta": {"content": delta} if delta else {},
-                                     "logprobs": None, "finish_reason": finish}]}
+                                     "logprobs": _chat_logprobs(tokens, tokenizer, top) if body.logprobs else None,
+                                     "finish_reason": finish}]}
 
             def first(o):
                 return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
                         "choices": [{"index": o, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                      "finish_reason": None}]}
-            return _sse(streams, [ids], params, chunk, first, body.stream_options, rid, "chat.completion.chunk",
+            return _sse(streams, params, chunk, first, body.stream_options, rid, "chat.completion.chunk",
                         model_name, metrics)
         finals = await _collect(streams, request, metrics, params.n)
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": _chat_logprobs(o, tokenizer, top) if body.logprobs else None,
+                    "logprobs": _chat_logprobs(list(zip(o.token_ids, o.logprobs)), tokenizer, top)
+                    if body.logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in finals[0].outputs]
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": _usage(finals)}
@@ -169,20 +215,33 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
 
 
 # ----- helpers ---------------------------------------------------------------------------------------
-def _params(body, max_tokens, logprobs):
+def _params(body, max_tokens, logprobs, prompt_logprobs=None):
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_request_error", 400, getattr(e, "param", None)) from e
 
 
-def _tokenize(prompt, tokenizer: Tokenizer | None) -> list[int]:
+def _tokenize(prompt, tokenizer: Tokenizer | None, keep_last: int | None = None) -> list[int]:
     if isinstance(prompt, list):
-        return prompt
-    if tokenizer is None:
+        ids = prompt
+    elif tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "invalid_request_error", 400,
                        "prompt")
-    return tokenizer.encode(prompt)
+    else:
+        ids = tokenizer.encode(prompt)
+    return ids[-keep_last:] if keep_last else ids
+
+
+def _decode(ids: list[int], tokenizer: Tokenizer | None) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer else ""
+
+
+def _refuse_unserved(body) -> None:
+    unserved = body.unserved()
+    if unserved:
+        raise APIError(400, f"parameter {unserved[0]!r} is not supported by flashpage", "invalid_request_error", 400,
+                       unserved[0])
 
 
 def _validate(engine: AsyncEngine, ids: list[int], params) -> None:
@@ -299,33 +358,50 @@ async def _collect(streams, request: Request, metrics: Metrics, num_samples: int
     return [finals[i] for i in range(len(streams))]
 
 
-def _sse(streams, prompts, params, chunk, first_chunk, stream_options, rid, obj, model_name, metrics) -> StreamingResponse:
+def _sse(streams, params, chunk, first_chunk, stream_options, rid, obj, model_name, metrics,
+         echo: bool = False) -> StreamingResponse:
+    """Server-sent events. `chunk(i, output, sample, text, tokens, finish)` builds one event: `tokens` are the
+    sample's (token id, log-probs entry) pairs new since its last event (None for an echoed prompt's event)."""
     include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = bool(stream_options and stream_options.continuous_usage_stats)
 
     async def events():
         timing = _Timing(metrics, len(streams))
         sent: dict[tuple[int, int], int] = {}  # (prompt, sample) -> characters streamed
+        tokens_sent: dict[tuple[int, int], int] = {}  # (prompt, sample) -> tokens whose log-probs were streamed
         closed: set[tuple[int, int]] = set()  # samples whose finish_reason was sent
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         ended = False  # the stream ran to its end (else the client left mid-stream)
+
+        def event(payload):
+            if continuous:
+                payload["usage"] = _usage(list(latest.values()))
+            return _event(payload)
+
         try:
             if first_chunk:
                 for index in range(params.n):
                     yield _event(first_chunk(index))
             async for i, update in _merged(streams):
                 timing.observe(i, update)
-                for o in update.output.outputs:
+                out = latest[i] = update.output
+                for o in out.outputs:
+                    key = (i, o.index)
+                    if echo and key not in tokens_sent:
+                        tokens_sent[key] = 0
+                        yield event(chunk(i, out, o, "", None, None))
                     done = o.finish_reason is not None
                     end = streamable_end(o.text, params.stop, done)
-                    key = (i, o.index)
-                    start = sent.get(key, 0)
+                    start, first_token = sent.get(key, 0), tokens_sent.get(key, 0)
                     if end > start or (done and key not in closed):
-                        sent[key] = max(start, end)
+                        sent[key], tokens_sent[key] = max(start, end), len(o.token_ids)
                         if done:
                             closed.add(key)
-                        yield _event(chunk(i, o, o.text[start:end], o.finish_reason if done else None))
-                if update.output.finished:
-                    finals[i] = update.output
+                        new = list(zip(o.token_ids[first_token:], (o.logprobs or [None] * len(o.token_ids))[first_token:]))
+                        yield event(chunk(i, out, o, o.text[start:end], new, o.finish_reason if done else None))
+                if out.finished:
+                    finals[i] = out
             ended = True
             if include_usage:
                 yield _event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
@@ -349,25 +425,33 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
+def _usage(finals: list[RequestOutput], echo_only: bool = False) -> dict:
     prompt = sum(len(f.prompt_token_ids) for f in finals)
-    completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    completion = 0 if echo_only else sum(len(o.token_ids) for f in finals for o in f.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _completion_logprobs(o, tokenizer: Tokenizer | None) -> dict | None:
-    if o.logprobs is None:
-        return None
-    def text(t):
-        return tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)
-    return {"tokens": [text(t) for t in o.token_ids], "token_logprobs": [e[t] for t, e in zip(o.token_ids, o.logprobs)],
-            "top_logprobs": [{text(k): v for k, v in e.items()} for e in o.logprobs], "text_offset": []}
+def _token_text(t: int, tokenizer: Tokenizer | None) -> str:
+    return tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)
 
 
-def _chat_logprobs(o, tokenizer: Tokenizer, k: int) -> dict:
+def _completion_logprobs(tokens: list[tuple[int, dict | None]], tokenizer: Tokenizer | None,
+                         offset: int = 0) -> dict:
+    """OpenAI's completion log-probs for (token id, log-probs entry) pairs; a prompt's first token has no entry.
+    `text_offset` counts each token's text, from the start of the text returned."""
+    texts = [_token_text(t, tokenizer) for t, _ in tokens]
+    offsets = [offset + sum(len(x) for x in texts[:j]) for j in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [e[t].logprob if e else None for t, e in tokens],
+            "top_logprobs": [{_token_text(i, tokenizer): lp.logprob for i, lp in e.items()} if e else None
+                             for _, e in tokens],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(tokens: list[tuple[int, dict]], tokenizer: Tokenizer, k: int) -> dict:
     """OpenAI's chat log-probs: each token's own, and its position's k most likely (none for k = 0)."""
     def entry(t, lp):
         s = tokenizer.decode([t], skip_special_tokens=False)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-    return {"content": [{**entry(t, e[t]), "top_logprobs": [entry(i, v) for i, v in sorted(e.items(), key=lambda kv: -kv[1])[:k]]}
-                        for t, e in zip(o.token_ids, o.logprobs or [])]}
+        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
+    return {"content": [{**entry(t, e[t]), "top_logprobs": [entry(i, lp) for i, lp in
+                                                            sorted(e.items(), key=lambda kv: -kv[1].logprob)[:k]]}
+                        for t, e in tokens]}

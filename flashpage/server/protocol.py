@@ -9,12 +9,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from flashpage.sampling_params import SamplingParams
 
 
+# OpenAI and vLLM request fields flashpage does not serve: a request that sets one gets a 400 naming it, instead of
+# an answer that silently ignores it. Other unknown fields (user, metadata, ...) change nothing and are ignored.
+UNSERVED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "suffix",
+            "best_of", "use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "structured_outputs", "audio", "modalities", "prediction", "lora_request", "priority")
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk, not only a final one
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, metadata, ...) are accepted and ignored
+    model_config = ConfigDict(extra="allow")  # unknown fields: see UNSERVED
 
     model: str | None = None
     temperature: float | None = None
@@ -33,8 +41,20 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def unserved(self) -> list[str]:
+        """UNSERVED fields the request sets (to a value other than an empty one)."""
+        return [k for k in UNSERVED if (self.model_extra or {}).get(k) not in (None, [], {}, 1 if k == "best_of" else None)]
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (naming the field) for values out of range."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -42,15 +62,18 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, bad_words=self.bad_words or [],
+            allowed_token_ids=self.allowed_token_ids, logit_bias=self.logit_bias,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt's log-probs, nothing generated
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt (and, with logprobs, its log-probs) before the completion
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
