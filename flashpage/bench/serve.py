@@ -3,8 +3,13 @@
     flashpage bench serve --url http://127.0.0.1:8000 --model smollm2-135m --num-prompts 200 --request-rate 8
 
 Requests arrive as a Poisson process at --request-rate per second (inf: all at once), whatever the server's
-pace. Each prompt is --input-len random token ids; each asks for exactly --output-len tokens (ignore_eos).
-Reports throughput and percentiles of time to first token (TTFT), inter-token latency (ITL) and end-to-end latency.
+pace. Each prompt is --input-len random token ids; each asks for exactly --output-len tokens (ignore_eos),
+streamed with a token count in every chunk (continuous usage), so token arrival times are measured even where
+the text is empty (a dummy model has no tokenizer). Reports throughput and percentiles of time to first token
+(TTFT), inter-token latency (ITL, one per token after the first) and end-to-end latency. --compare-offline then
+runs the same requests through `LLM.generate` in this process (give the server's model options; on one GPU, start
+the server with --gpu-memory-utilization 0.45: this side's 0.9 then leaves the engine what the server left) and
+reports the server's rate as a fraction of it.
 """
 
 from __future__ import annotations
@@ -47,27 +52,50 @@ async def one_request(http: httpx.AsyncClient, body: dict, headers: dict) -> Req
                     res.error = chunk["error"]["message"]
                     return res
                 now = time.perf_counter()
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if last is None:
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", res.output_tokens)
+                if tokens > res.output_tokens:
+                    new = tokens - res.output_tokens
+                    if last is None:  # tokens that came with the first arrive with no gap
                         res.ttft = now - start
+                        res.itls += [0.0] * (new - 1)
                     else:
-                        res.itls.append(now - last)
-                    last = now
+                        res.itls += [(now - last) / new] * new
+                    last, res.output_tokens = now, tokens
         res.latency, res.ok = time.perf_counter() - start, True
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 
 
-async def run(args) -> dict:
+def make_prompts(args) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    return [[rng.randrange(100, args.vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+
+
+def offline_rate(args, prompts: list[list[int]]) -> float:
+    """Output tok/s of LLM.generate on the same requests, in this process."""
+    from flashpage import LLM, SamplingParams
+
+    llm = LLM(args.offline_model or args.model, load_format=args.load_format, dtype=args.dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+async def run(args, prompts: list[list[int]]) -> dict:
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    bodies = [{"model": args.model, "prompt": [rng.randrange(100, args.vocab) for _ in range(args.input_len)],
+    bodies = [{"model": args.model, "prompt": prompt,
                "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
-               "stream_options": {"include_usage": True}} for _ in range(args.num_prompts)]
-    async with httpx.AsyncClient(base_url=args.url, timeout=httpx.Timeout(600.0)) as http:
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+              for prompt in prompts]
+    # httpx holds at most 100 connections unless told: more requests than that would queue in the client, in
+    # waves of 100, and the benchmark would measure the client
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.url, timeout=httpx.Timeout(600.0), limits=limits) as http:
         start = time.perf_counter()
         tasks = []
         for body in bodies:
@@ -109,11 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn from [100, vocab)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="then run the same requests through LLM.generate here and report the server's fraction of it")
+    p.add_argument("--offline-model", default=None, help="the model for --compare-offline (default: --model)")
+    p.add_argument("--load-format", default="auto", help="for --compare-offline, as the server's")
+    p.add_argument("--dtype", default="auto", help="for --compare-offline, as the server's")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="for --compare-offline")
     args = p.parse_args(argv)
     if args.model is None:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         args.model = httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
-    result = asyncio.run(run(args))
+    prompts = make_prompts(args)
+    result = asyncio.run(run(args, prompts))
+    if args.compare_offline:
+        result["offline_output_token_throughput"] = offline_rate(args, prompts)
+        result["server_over_offline"] = result["output_token_throughput"] / result["offline_output_token_throughput"]
     print(f"completed {result['completed']} / failed {result['failed']} in {result['duration_s']:.2f} s "
           f"(rate {args.request_rate}/s, {args.input_len} in / {args.output_len} out tokens)")
     print(f"throughput: {result['request_throughput']:.2f} req/s, {result['output_token_throughput']:.1f} output tok/s, "
@@ -121,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ttft", "itl", "e2e_latency"):
         s = result[name]
         print(f"{name:12s} mean {s['mean_ms']:9.2f} ms   median {s['median_ms']:9.2f} ms   p99 {s['p99_ms']:9.2f} ms")
+    if args.compare_offline:
+        print(f"offline LLM.generate, same requests: {result['offline_output_token_throughput']:.1f} output tok/s; "
+              f"the server delivers {result['server_over_offline']:.2f}x of it")
     for e in result["errors"]:
         print("error:", e)
     if args.json:

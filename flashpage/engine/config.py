@@ -27,8 +27,8 @@ class EngineConfig:
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
     seed: int = _setting(0, "seeds the dummy weights and requests that bring no seed")
     max_model_len: int | None = _setting(None, "context (prompt plus output) in tokens; default: the model's")
-    kernels: str = _setting("auto", "auto: triton on CUDA, torch (PyTorch references) on CPU",
-                            ("auto", "torch", "triton"))
+    kernels: str = _setting("auto", "auto: triton on CUDA, cpu on CPU; torch: the PyTorch references",
+                            ("auto", "torch", "cpu", "triton"))
     block_size: int = _setting(16, "tokens per KV-cache block (a power of two)")
     num_gpu_blocks: int | None = _setting(None, "KV cache size in blocks (default: from the memory settings)")
     gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the GPU's memory flashpage may fill")
@@ -39,6 +39,8 @@ class EngineConfig:
     enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs, every step eager")
     overlap: bool = _setting(True, "schedule step N+1 before reading step N's tokens back")
     max_logprobs: int = _setting(20, "most log-probs a request may ask for per token (-1: no limit)")
+    cpu_threads: int | None = _setting(None, "CPU: PyTorch threads (default: OMP_NUM_THREADS if set, else the "
+                                             "physical cores this process may use)")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -55,7 +57,7 @@ class EngineConfig:
                                      f", got {value!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cpu_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

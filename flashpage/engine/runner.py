@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +27,22 @@ from flashpage.loader import LoadedModel, load_model
 from flashpage.model import AttentionMetadata
 
 log = logging.getLogger("flashpage.runner")
+
+
+def default_cpu_threads() -> int:
+    """OMP_NUM_THREADS if set; else the physical cores among the CPUs this process may run on (a second hardware
+    thread of a core adds nothing to matrix products, and threads beyond the process's CPUs make every one wait)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+        except OSError:
+            cores.add(cpu)
+    return max(1, len(cores))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -77,8 +94,10 @@ class ModelRunner:
         """Loads `cfg.model` (or serves `loaded`, a model already in memory: tests share one between engines) and
         allocates the KV cache. `self.cfg` is `cfg` with device, kernels and max_model_len resolved."""
         device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-        kernels = cfg.kernels if cfg.kernels != "auto" else "triton" if device.startswith("cuda") else "torch"
-        # Triton kernels on the GPU; on CPU the interpreter would be far too slow for the default
+        # Triton kernels on the GPU; on CPU the interpreter would be far too slow
+        kernels = cfg.kernels if cfg.kernels != "auto" else "triton" if device.startswith("cuda") else "cpu"
+        if device == "cpu":
+            torch.set_num_threads(cfg.cpu_threads or default_cpu_threads())
         if loaded is None:
             loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=device, seed=cfg.seed)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

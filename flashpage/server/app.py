@@ -308,9 +308,10 @@ class _Timing:
                     m.ttft.observe(update.time - self.start)
                     m.prompt_tokens.inc(len(out.prompt_token_ids))
                 m.generation_tokens.inc(n - prev_n)
-                gaps = n - prev_n - (prev_t is None)  # the sample's first token has no gap before it
-                for _ in range(gaps):
-                    m.itl.observe((update.time - prev_t) / (n - prev_n))
+                # one latency per token after the sample's first; tokens that came with its first one came with no gap
+                gap = 0.0 if prev_t is None else (update.time - prev_t) / (n - prev_n)
+                for _ in range(n - prev_n - (prev_t is None)):
+                    m.itl.observe(gap)
                 self.last[key] = (update.time, n)
             if o.finish_reason is not None and key not in self.ended:
                 self.ended.add(key)
@@ -394,7 +395,9 @@ def _sse(streams, params, chunk, first_chunk, stream_options, rid, obj, model_na
                     done = o.finish_reason is not None
                     end = streamable_end(o.text, params.stop, done)
                     start, first_token = sent.get(key, 0), tokens_sent.get(key, 0)
-                    if end > start or (done and key not in closed):
+                    # (with continuous usage, every step's tokens are an event: a client counts arrivals even where
+                    # the text does not grow)
+                    if end > start or (done and key not in closed) or (continuous and len(o.token_ids) > first_token):
                         sent[key], tokens_sent[key] = max(start, end), len(o.token_ids)
                         if done:
                             closed.add(key)

@@ -1,4 +1,4 @@
-"""AsyncEngine: one background thread steps the LLMEngine; each request gets its own asyncio queue of updates.
+"""AsyncEngine: one background thread steps the LLMEngine; each request gets a mailbox of updates.
 
 Only that thread touches the engine. Requests and aborts reach it through a thread-safe inbox, and each
 step's results go back to the event loop with call_soon_threadsafe. The waiting queue is bounded, so
@@ -35,13 +35,14 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.stats: dict = engine.stats()
         self._inbox: queue.Queue = queue.Queue()
-        self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._queues: dict[str, tuple[_Mailbox, asyncio.AbstractEventLoop]] = {}
         self._pending = 0  # requests sent to the thread but not yet admitted by it
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
         self._deadline = 0.0  # once stopping: when what still runs is aborted
         self.step_observers: list = []  # called from the engine thread with each step's token count
+        self._stats_time = 0.0
         self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
         self._thread.start()
 
@@ -62,7 +63,7 @@ class AsyncEngine:
             if self.stats["num_waiting"] + self._pending >= self.max_waiting:
                 raise EngineOverloaded(f"too many waiting requests (max {self.max_waiting})")
             self._pending += 1
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Mailbox()
         self._queues[request_id] = (q, asyncio.get_running_loop())
         self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
         self._wake.set()
@@ -119,16 +120,25 @@ class AsyncEngine:
             for observe in self.step_observers:
                 observe(eng.last_step_tokens)
             now = time.perf_counter()
-            for out in outputs:
-                self._send(out.request_id, Update(out, now))
-            self.stats = eng.stats()
+            self._send_all([(out.request_id, Update(out, now)) for out in outputs])
+            if now - self._stats_time > 0.1 or not eng.has_unfinished_requests():
+                self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        """The engine's statistics, snapshotted for the event loop: at most ten times a second while busy (a
+        snapshot walks every block table) and whenever the engine goes idle."""
+        self.stats, self._stats_time = self.engine.stats(), time.perf_counter()
 
     def _drain_inbox(self) -> None:
+        drained = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
+                if drained:
+                    self._refresh_stats()
                 return
+            drained = True
             if msg[0] == "add":
                 _, request_id, ids, params, prompt = msg
                 with self._lock:
@@ -144,10 +154,42 @@ class AsyncEngine:
                     self._send(request_id, e)
             else:
                 self.engine.abort_request(msg[1])
-            self.stats = self.engine.stats()
 
     def _send(self, request_id: str, item) -> None:
-        entry = self._queues.get(request_id)
-        if entry is not None:
-            q, loop = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        self._send_all([(request_id, item)])
+
+    def _send_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand items to their requests' queues: one wake-up of each event loop per call, not one per request."""
+        by_loop: dict = {}
+        for request_id, item in items:
+            entry = self._queues.get(request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[1], []).append((entry[0], item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+class _Mailbox:
+    """The latest update of one request. An update holds the request's whole state (text and tokens so far), so a
+    newer one replaces one not yet read: a busy event loop then handles one event covering several tokens instead
+    of falling behind (and holding back the requests still arriving). An error is never replaced."""
+
+    def __init__(self):
+        self.item = None
+        self.ready = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        if not isinstance(self.item, BaseException):
+            self.item = item
+        self.ready.set()
+
+    async def get(self):
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.item = self.item, None
+        return item
+
+
+def _put_all(batch: list[tuple[_Mailbox, object]]) -> None:
+    for box, item in batch:
+        box.put_nowait(item)
