@@ -227,14 +227,14 @@ def test_attention_reads_q_k_v_as_strided_views_of_fused_qkv(dtype):
     assert rel_err(out, expected) < TOL[dtype]
 
 
+@pytest.mark.parametrize("lens", [[1, 9, 23, 16, 40], [23]])
 @pytest.mark.parametrize("window", [(-1, -1), (5, 0)])
-def test_cpu_batched_decode_attention_equals_reference(window):
+def test_cpu_batched_decode_attention_equals_reference(lens, window):
     """The CPU kernel set's decode: one call over the batch, keys gathered and padded; the reference's per-sequence
     loop on the same pages (shuffled, lengths not multiples of the page, one of a single key) is the truth."""
     from flashpage.kernels import cpu
 
     page, hq, hkv, dim = 8, 6, 2, 16
-    lens = [1, 9, 23, 16, 40]
     pages = [-(-n // page) for n in lens]
     num_blocks = sum(pages) + 3
     cache = KVCache(torch.randn(num_blocks, page, hkv, dim, dtype=torch.float64),
@@ -250,3 +250,13 @@ def test_cpu_batched_decode_attention_equals_reference(window):
     got = cpu.paged_attention(q, cache, table, cu, seq_lens, 1, window_size=window, softmax_scale=0.3,
                               out=torch.full_like(q, float("nan")))
     assert rel_err(got, want) < 1e-12
+
+
+def test_cpu_linear_with_its_norm_equals_reference():
+    from flashpage.kernels import cpu
+
+    x, weight, norm = torch.randn(5, 48, dtype=torch.float64), torch.randn(40, 48, dtype=torch.float64), torch.randn(48, dtype=torch.float64)
+    residual = torch.randn(5, 40, dtype=torch.float64)
+    for kw in (dict(norm_weight=norm, eps=1e-5), dict(norm_weight=norm, eps=1e-5, residual=residual),
+               dict(norm_weight=norm, eps=1e-5, silu_mul=True)):
+        assert rel_err(cpu.linear(x, weight, **kw), ref.linear(x, weight, **kw)) < 1e-12

@@ -9,17 +9,26 @@ import torch
 import torch.nn.functional as F
 
 from flashpage.kernels import reference
-from flashpage.kernels.reference import (apply_penalties, flash_attn_varlen, linear, reshape_and_cache, rms_norm,
+from flashpage.kernels.reference import (apply_penalties, composed_linear, flash_attn_varlen, reshape_and_cache,
                                          rope_and_cache, sample, silu_and_mul)
 
 __all__ = ["apply_penalties", "flash_attn_varlen", "linear", "paged_attention", "reshape_and_cache", "rms_norm",
            "rope_and_cache", "sample", "silu_and_mul"]
 
 
+def rms_norm(x, weight, eps):
+    """torch's own RMSNorm: one operator instead of the reference's five."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None):
+    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype)
+
+
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None):
     batch = block_table.shape[0]
-    if max_seqlen_q != 1 or q.shape[0] != batch or batch < 2:  # prefill, or one sequence: as the reference
+    if max_seqlen_q != 1 or q.shape[0] != batch:  # prefill: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                          out=out)
@@ -32,11 +41,14 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         return cache[blocks].flatten(1, 2)[:, :longest].transpose(1, 2)
 
     key = torch.arange(longest)[None, :]
-    mask = key < lens[:, None]  # a decode query is its sequence's last position: it sees every key before it
-    if window_size[0] >= 0:
-        mask &= key >= lens[:, None] - 1 - window_size[0]
+    mask = None
+    if batch > 1 or window_size[0] >= 0:
+        mask = key < lens[:, None]  # a decode query is its sequence's last position: it sees every key before it
+        if window_size[0] >= 0:
+            mask &= key >= lens[:, None] - 1 - window_size[0]
+        mask = mask[:, None, None, :]
     o = F.scaled_dot_product_attention(q[:, :, None, :], gather(kv_cache.k), gather(kv_cache.v),
-                                       attn_mask=mask[:, None, None, :], scale=softmax_scale, enable_gqa=True)
+                                       attn_mask=mask, scale=softmax_scale, enable_gqa=True)
     o = o[:, :, 0, :]
     if out is None:
         return o

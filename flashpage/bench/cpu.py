@@ -1,0 +1,62 @@
+"""`flashpage bench cpu`: the default model on this machine's CPU, flashpage against transformers' `generate` in
+the same run, at batch 1 and 32 (the README's CPU table).
+
+Each batch is --prompt-len random prompt tokens per sequence and exactly --max-tokens greedy tokens out (EOS
+ignored), both systems on the same float32 weights from the default GGUF, after one warm-up each. Prints output
+tok/s and the ratio; `--out` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flashpage bench cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", default="1,32")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    import transformers
+
+    from flashpage import LLM, SamplingParams
+    from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
+
+    gguf = resolve_known_model(DEFAULT_MODEL)
+    llm = LLM(str(gguf), dtype="float32", device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                           dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
+               "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+               "batches": []}
+    for batch in map(int, args.batch_sizes.split(",")):
+        prompts = torch.randint(100, llm.config.vocab_size, (batch, args.prompt_len), generator=gen)
+        llm.generate([{"prompt_token_ids": r} for r in prompts[:2].tolist()], params, use_tqdm=False)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params, use_tqdm=False)
+        ours = batch * args.max_tokens / (time.perf_counter() - start)
+        with torch.inference_mode():
+            hf.generate(prompts[:2], max_new_tokens=4, do_sample=False)
+            start = time.perf_counter()
+            hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.max_tokens,
+                        min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)
+            theirs = batch * args.max_tokens / (time.perf_counter() - start)
+        results["batches"].append({"batch": batch, "flashpage_tok_s": ours, "transformers_tok_s": theirs})
+        print(f"batch {batch:3d}: flashpage {ours:7.1f} tok/s, transformers {theirs:7.1f} tok/s, "
+              f"flashpage is {ours / theirs:.2f}x", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
