@@ -255,8 +255,7 @@ def test_cpu_batched_decode_attention_equals_reference(lens, window):
 def test_cpu_linear_with_its_norm_equals_reference():
     from flashpage.kernels import cpu
 
-    x, weight, norm = torch.randn(5, 48, dtype=torch.float64), torch.randn(40, 48, dtype=torch.float64), torch.randn(48, dtype=torch.float64)
-    residual = torch.randn(5, 40, dtype=torch.float64)
+    x, weight, norm, residual = torch.randn(5, 48), torch.randn(40, 48), torch.randn(48), torch.randn(5, 40)
     for kw in (dict(norm_weight=norm, eps=1e-5), dict(norm_weight=norm, eps=1e-5, residual=residual),
-               dict(norm_weight=norm, eps=1e-5, silu_mul=True)):
-        assert rel_err(cpu.linear(x, weight, **kw), ref.linear(x, weight, **kw)) < 1e-12
+               dict(norm_weight=norm, eps=1e-5, silu_mul=True)):  # float32 as the model runs on CPU
+        assert rel_err(cpu.linear(x, weight, **kw), ref.linear(x, weight, **kw)) < 1e-6
