@@ -237,12 +237,15 @@ def test_cpu_batched_decode_attention_equals_reference(lens, window):
     page, hq, hkv, dim = 8, 6, 2, 16
     pages = [-(-n // page) for n in lens]
     num_blocks = sum(pages) + 3
-    cache = KVCache(torch.randn(num_blocks, page, hkv, dim, dtype=torch.float64),
-                    torch.randn(num_blocks, page, hkv, dim, dtype=torch.float64))
+    cache = KVCache(torch.full((num_blocks, page, hkv, dim), float("nan"), dtype=torch.float64),
+                    torch.full((num_blocks, page, hkv, dim), float("nan"), dtype=torch.float64))
     order = torch.randperm(num_blocks).tolist()
     table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
     for i, n in enumerate(pages):
         table[i, :n] = torch.tensor([order.pop() for _ in range(n)])
+        for j in range(lens[i]):  # only the slots a sequence wrote hold numbers; the rest of its pages is NaN
+            cache.k[table[i, j // page], j % page] = torch.randn(hkv, dim, dtype=torch.float64)
+            cache.v[table[i, j // page], j % page] = torch.randn(hkv, dim, dtype=torch.float64)
     q = torch.randn(len(lens), hq, dim, dtype=torch.float64)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -259,3 +262,20 @@ def test_cpu_linear_with_its_norm_equals_reference():
     for kw in (dict(norm_weight=norm, eps=1e-5), dict(norm_weight=norm, eps=1e-5, residual=residual),
                dict(norm_weight=norm, eps=1e-5, silu_mul=True)):  # float32 as the model runs on CPU
         assert rel_err(cpu.linear(x, weight, **kw), ref.linear(x, weight, **kw)) < 1e-6
+
+
+def test_cpu_decode_attention_does_not_depend_on_the_rest_of_the_batch():
+    """A sequence's decode output is bit-identical alone and batched with longer and shorter ones (else a seeded
+    request could sample differently depending on what else runs)."""
+    from flashpage.kernels import cpu
+
+    page, hq, hkv, dim = 8, 4, 2, 16
+    cache = KVCache(torch.randn(20, page, hkv, dim), torch.randn(20, page, hkv, dim))
+    table = torch.randperm(20).to(torch.int32).view(4, 5)
+    q = torch.randn(4, hq, dim)
+    lens = torch.tensor([13, 37, 5, 40], dtype=torch.int32)
+    batched = cpu.paged_attention(q, cache, table, torch.arange(5, dtype=torch.int32), lens, 1)
+    for i in range(4):
+        alone = cpu.paged_attention(q[i:i + 1], cache, table[i:i + 1, :-(-int(lens[i]) // page)],
+                                    torch.arange(2, dtype=torch.int32), lens[i:i + 1], 1)
+        assert torch.equal(alone[0], batched[i])

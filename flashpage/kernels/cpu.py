@@ -1,7 +1,6 @@
 """The CPU kernel set: the PyTorch references (same signatures), except where a batched form is measurably faster
-on a CPU. Decode attention is one scaled-dot-product call over the whole batch (keys gathered from the pages and
-padded to the longest sequence, padding masked) instead of one call per sequence: at 32 sequences that call count
-was most of a CPU decode step (docs/cpu.md)."""
+on a CPU. Decode attention is one scaled-dot-product call per group of sequences of the same page count instead
+of one call per sequence: at 32 sequences that call count was most of a CPU decode step (docs/cpu.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +26,9 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None):
+    """Decode: one call per group of sequences with the same number of pages, keys padded to those pages and the
+    padding masked. Grouping by a sequence's own page count keeps each result independent of what else is batched
+    (a reduction's order depends on the padded length), so a seeded request samples the same tokens in any batch."""
     batch = block_table.shape[0]
     if max_seqlen_q != 1 or q.shape[0] != batch:  # prefill: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
@@ -34,23 +36,20 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
                                          out=out)
     page = kv_cache.k.shape[1]
     lens = seq_lens_k.long()
-    longest = int(lens.max())
-    blocks = block_table[:, :-(-longest // page)].long()
-
-    def gather(cache):  # [batch, kv heads, longest, head dim]
-        return cache[blocks].flatten(1, 2)[:, :longest].transpose(1, 2)
-
-    key = torch.arange(longest)[None, :]
-    mask = None
-    if batch > 1 or window_size[0] >= 0:
-        mask = key < lens[:, None]  # a decode query is its sequence's last position: it sees every key before it
+    num_pages = (lens + page - 1) // page
+    out = torch.empty_like(q) if out is None else out
+    for n in num_pages.unique().tolist():
+        rows = (num_pages == n).nonzero()[:, 0]
+        key = torch.arange(n * page)[None, :]
+        length = lens[rows, None]
+        mask = key < length  # a decode query is its sequence's last position: it sees every key before it
         if window_size[0] >= 0:
-            mask &= key >= lens[:, None] - 1 - window_size[0]
-        mask = mask[:, None, None, :]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], gather(kv_cache.k), gather(kv_cache.v),
-                                       attn_mask=mask, scale=softmax_scale, enable_gqa=True)
-    o = o[:, :, 0, :]
-    if out is None:
-        return o
-    out.copy_(o)
+            mask &= key >= length - 1 - window_size[0]
+        blocks = block_table[rows, :n].long()
+        # slots past a sequence's end were never written (NaN, say): zeroed, as a masked weight times NaN is NaN
+        k, v = (cache[blocks].flatten(1, 2).masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
+                for cache in (kv_cache.k, kv_cache.v))
+        o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
+                                           scale=softmax_scale, enable_gqa=True)
+        out[rows] = o[:, :, 0, :]
     return out
