@@ -46,9 +46,12 @@ class EngineConfig:
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _TYPES[f.name]
             optional = kind is not bool and f.default is None
-            ok = (value is None and optional) or (isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                ok = True
+            if isinstance(value, bool):  # (a bool is an int to isinstance)
+                ok = kind is bool
+            elif value is None:
+                ok = optional
+            else:
+                ok = isinstance(value, (int, float) if kind is float else kind)
             if not ok:
                 raise ParameterError(f.name, f"engine setting {f.name} must be {kind.__name__}"
                                      f"{' or None' if optional else ''}, got {value!r}")

@@ -217,7 +217,6 @@ class LLMEngine:
         seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(self._logprobs_entry(sampled))
-        n_out = pos + 1 - seq.num_prompt_tokens
         eos = not p.ignore_eos and token in self.eos_ids  # (masked until min_tokens, as stop tokens are)
         # a stop token's text is left out, unless asked for (as vLLM)
         if seq.detokenizer and (p.include_stop_str_in_output or not (eos or token in p.stop_token_ids)):
@@ -229,7 +228,7 @@ class LLMEngine:
         elif p.stop and (hit := _first_stop(seq.text, p.stop)) is not None:
             seq.text = seq.text[:hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)]
             self._finish(seq, "stop", hit[1])
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or pos + 1 >= self.cfg.max_model_len:
+        elif seq.ends_at(pos + 1, self.cfg.max_model_len):
             self._finish(seq, "length", None)
         if seq.finished:  # drop tokens launched after this one
             del seq.token_ids[pos + 1:]

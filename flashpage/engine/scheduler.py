@@ -110,9 +110,7 @@ class Scheduler:
         seq.token_ids.append(PENDING)
         seq.num_pending += 1
         seq.pending_row = sample_row
-        n_out = len(seq.token_ids) - seq.num_prompt_tokens
-        seq.last_pending = (seq.params.max_tokens is not None and n_out >= seq.params.max_tokens) or \
-            len(seq.token_ids) >= self.max_model_len
+        seq.last_pending = seq.ends_at(len(seq.token_ids), self.max_model_len)
 
     def commit(self, seq: Sequence) -> None:
         """Publish the sequence's known tokens whose K/V is computed (or being computed) to the prefix cache."""

@@ -55,6 +55,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.status == FINISHED
 
+    def ends_at(self, num_tokens: int, max_model_len: int) -> bool:
+        """Whether the sequence is done once it holds `num_tokens` tokens: max_tokens generated, or the context full."""
+        return (self.params.max_tokens is not None and num_tokens - self.num_prompt_tokens >= self.params.max_tokens) \
+            or num_tokens >= max_model_len
+
     def sample_row(self) -> SampleRow:
         """How to draw this sequence's next token. The stream depends only on the seed, the sample index and the
         position, so a seeded request gives the same tokens whatever else is batched with it."""
