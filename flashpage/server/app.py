@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import secrets
@@ -434,26 +435,28 @@ def _usage(finals: list[RequestOutput], echo_only: bool = False) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _token_text(t: int, tokenizer: Tokenizer | None) -> str:
-    return tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)
+def _piece(token: int, lp, tokenizer: Tokenizer | None) -> str:
+    """A token's text: the engine's decoding in its Logprob where there is one, else decoded here."""
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token], skip_special_tokens=False) if tokenizer else str(token)
 
 
 def _completion_logprobs(tokens: list[tuple[int, dict | None]], tokenizer: Tokenizer | None,
                          offset: int = 0) -> dict:
     """OpenAI's completion log-probs for (token id, log-probs entry) pairs; a prompt's first token has no entry.
     `text_offset` counts each token's text, from the start of the text returned."""
-    texts = [_token_text(t, tokenizer) for t, _ in tokens]
-    offsets = [offset + sum(len(x) for x in texts[:j]) for j in range(len(texts))]
+    texts = [_piece(t, e[t] if e else None, tokenizer) for t, e in tokens]
     return {"tokens": texts, "token_logprobs": [e[t].logprob if e else None for t, e in tokens],
-            "top_logprobs": [{_token_text(i, tokenizer): lp.logprob for i, lp in e.items()} if e else None
+            "top_logprobs": [{_piece(i, lp, tokenizer): lp.logprob for i, lp in e.items()} if e else None
                              for _, e in tokens],
-            "text_offset": offsets}
+            "text_offset": list(itertools.accumulate((len(x) for x in texts[:-1]), initial=offset)) if texts else []}
 
 
 def _chat_logprobs(tokens: list[tuple[int, dict]], tokenizer: Tokenizer, k: int) -> dict:
     """OpenAI's chat log-probs: each token's own, and its position's k most likely (none for k = 0)."""
     def entry(t, lp):
-        s = tokenizer.decode([t], skip_special_tokens=False)
+        s = _piece(t, lp, tokenizer)
         return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode())}
     return {"content": [{**entry(t, e[t]), "top_logprobs": [entry(i, lp) for i, lp in
                                                             sorted(e.items(), key=lambda kv: -kv[1].logprob)[:k]]}
