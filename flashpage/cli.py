@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = importlib.import_module(f"flashpage.bench.{args.suite}")
         except ModuleNotFoundError as e:
-            print(f"flashpage: error: bench {args.suite} needs the package {e.name!r} (pip install "
-                  f"'flashpage[triton]' on a machine with a CUDA GPU)", file=sys.stderr)
+            print(f"flashpage: error: bench {args.suite} needs the package {e.name!r} (pip install it; the GPU "
+                  f"suites take 'flashpage[triton]' on a machine with a CUDA GPU)", file=sys.stderr)
             return 2
         return module.main(args.rest)
     if args.command == "serve":

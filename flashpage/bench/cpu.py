@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers  # the peer: a test dependency of flashpage, not a runtime one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,8 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    import transformers
-
     from flashpage import LLM, SamplingParams
     from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 
