@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass, field
 
+from flashpage.engine.spec.config import SpeculativeConfig
 from flashpage.errors import ParameterError
 from flashpage.loader.default_model import DEFAULT_MODEL
 
@@ -41,6 +43,8 @@ class EngineConfig:
     max_logprobs: int = _setting(20, "most log-probs a request may ask for per token (-1: no limit)")
     cpu_threads: int | None = _setting(None, "CPU: PyTorch threads (default: OMP_NUM_THREADS if set, else the "
                                              "physical cores this process may use)")
+    speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
+                                               "line): method ngram or draft_model, num_speculative_tokens, ...")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -70,6 +74,11 @@ class EngineConfig:
             raise ParameterError("max_logprobs", f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if not self.cpu_kv_cache_gb > 0:
             raise ParameterError("cpu_kv_cache_gb", f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
+        self.speculative  # (checks it)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
 
     @classmethod
     def from_settings(cls, **settings) -> EngineConfig:
@@ -88,6 +97,8 @@ class EngineConfig:
             if kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                     help=f"{meta['help']} ({default})")
+            elif kind is dict:
+                parser.add_argument(flag, type=_json_object, default=f.default, help=f"{meta['help']} ({default})")
             else:
                 parser.add_argument(flag, type=kind, default=f.default, choices=meta["choices"],
                                     help=f"{meta['help']} ({default})")
@@ -95,6 +106,16 @@ class EngineConfig:
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
         return cls(**{name: getattr(args, name) for name in _TYPES})
+
+
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+_json_object.__name__ = "JSON object"  # argparse's error says "invalid JSON object value: ..."
 
 
 # each setting's plain type (int for `int | None`)

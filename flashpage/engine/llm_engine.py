@@ -1,7 +1,9 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
 A step is one `StepPlan` from the scheduler, run by the runner in one call; the engine only applies what comes
-back: appends tokens, checks stops, builds outputs.
+back: appends tokens, checks stops, builds outputs. With speculative decoding, a proposer first gives decoding
+sequences tokens to verify; the step draws a token after each (`SampleRow` at that position), and a proposed token
+is kept while it equals the token drawn before it: what decoding one token at a time would have produced.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import dataclasses
 import gc
 import itertools
 import random
+from itertools import groupby
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +20,8 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.runner import ModelRunner, StepFuture
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sequence import Sequence
+from flashpage.engine.spec import SpecStats, make_proposer
+from flashpage.engine.spec.draft import draft_bytes_per_block, load_draft
 from flashpage.engine.step import SampledToken
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
@@ -46,7 +51,10 @@ class Request:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
         """Builds the runner (which loads `cfg.model`, or serves `loaded`), the block manager and the scheduler."""
-        self.runner = ModelRunner(cfg, loaded)
+        self.spec = cfg.speculative
+        # a draft model's weights are loaded first, and the target's KV cache leaves room for the draft's
+        draft = load_draft(self.spec, cfg) if self.spec and self.spec.method == "draft_model" else None
+        self.runner = ModelRunner(cfg, loaded, draft_bytes_per_block(draft, cfg.block_size) if draft else 0)
         self.cfg = cfg = self.runner.cfg  # device, kernels and max_model_len resolved
         self.config, self.tokenizer = self.runner.config, self.runner.tokenizer
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -60,6 +68,8 @@ class LLMEngine:
         self.num_aborted = 0  # requests stopped before they finished
         self.last_step_tokens = 0  # tokens the last step computed
         self._token_texts: dict[int, str] = {}  # log-probs' decoded tokens
+        self.proposer = make_proposer(self.spec, cfg, self.runner, draft) if self.spec else None
+        self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
         # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
         # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
         gc.collect()
@@ -161,7 +171,7 @@ class LLMEngine:
         self.num_aborted += 1
         for seq in req.seqs:
             if not seq.finished:
-                self.scheduler.finish(seq)
+                self._release(seq)
                 seq.finish_reason = "abort"
         return self._output(req)
 
@@ -176,19 +186,30 @@ class LLMEngine:
         """Schedule and launch one batch; return the outputs of the requests advanced by the batch launched
         before it (finished ones flagged). With overlap, the host schedules this step while the GPU still runs
         the last one, whose tokens this step reads on the device; otherwise a step is read back at once."""
+        speculate = self._propose()
         plan = self.scheduler.schedule()
         launched = None
         self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
         if plan.seqs:
-            # Penalties and bad words need every earlier token on the host before the next step samples.
-            overlap = self.cfg.overlap and not any(s.row.params.needs_history for s in plan.samples)
-            launched = InFlight(self.runner.step(plan), overlap)
+            # Penalties and bad words need every earlier token on the host before the next step samples; so do
+            # proposals (and how many tokens a verification keeps decides the next step's positions).
+            overlap = self.cfg.overlap and not speculate and not any(s.row.params.needs_history for s in plan.samples)
+            launched = InFlight(self.runner.step(plan, self.proposer and self.proposer.probs), overlap)
         outputs = self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
         if launched and not launched.overlap:
             outputs += self._read_back(launched)
             self.in_flight = None
         return outputs
+
+    def _propose(self) -> bool:
+        """Proposals for the decoding sequences whose tokens are all known, unless the batch is too large for
+        speculation to pay. Returns whether this step speculates."""
+        running = self.scheduler.running
+        if not self.proposer or len(running) > (self.spec.disable_by_batch_size or len(running)):
+            return False
+        self.proposer.propose(running)
+        return True
 
     def _read_back(self, step: InFlight) -> list[RequestOutput]:
         result = step.future.result()
@@ -197,11 +218,21 @@ class LLMEngine:
             if seq_id in self.seqs:
                 self.seqs[seq_id].prompt_logprobs += [self._logprobs_entry(t) for t in tokens]
         now = time.time()
-        for sampled in result.sampled:
-            seq = self.seqs.get(sampled.seq_id)
+        for seq_id, drawn in groupby(result.sampled, key=lambda t: t.seq_id):  # a sequence's tokens are adjacent
+            seq = self.seqs.get(seq_id)
             if seq is None or seq.finished:
-                continue  # finished (or aborted) while this step ran: the token is dropped
-            self._append(seq, sampled)
+                continue  # finished (or aborted) while this step ran: its tokens are dropped
+            drawn = list(drawn)
+            if seq.verifying:  # keep proposed tokens while each equals the token drawn before it, plus one more
+                proposal = seq.verifying
+                accepted = next((i for i, (p, t) in enumerate(zip(proposal, drawn)) if p != t.token_id), len(proposal))
+                self.spec_stats.record(len(proposal), accepted)
+                self.scheduler.accept(seq, accepted)
+                drawn = drawn[:accepted + 1]
+            for sampled in drawn:
+                self._append(seq, sampled)
+                if seq.finished:
+                    break
             req = advanced[seq.request_id] = self.requests[seq.request_id]
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now
@@ -211,8 +242,11 @@ class LLMEngine:
         """Put a sampled token in its PENDING place (later positions may still be pending) and check stops."""
         p, token = seq.params, sampled.token_id
         pos = seq.num_known
-        seq.token_ids[pos] = token
-        seq.num_pending -= 1
+        if seq.num_pending:
+            seq.token_ids[pos] = token
+            seq.num_pending -= 1
+        else:  # a verified token after the first
+            seq.token_ids.append(token)
         self.scheduler.commit(seq)
         seq.cumulative_logprob += sampled.logprob
         if seq.logprobs is not None:
@@ -236,7 +270,12 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        if self.proposer:
+            self.proposer.release(seq.seq_id)
 
     def _output(self, req: Request) -> RequestOutput:
         finished = all(s.finished for s in req.seqs)
@@ -266,6 +305,7 @@ class LLMEngine:
             "num_aborted_requests": self.num_aborted,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **(self.spec_stats.as_dict() if self.spec else {}),
         }
 
 

@@ -89,11 +89,16 @@ class StepFuture:
         return out
 
 
+def resolve_device(device: str) -> str:
+    return device if device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None, reserve_per_block: int = 0):
         """Loads `cfg.model` (or serves `loaded`, a model already in memory: tests share one between engines) and
-        allocates the KV cache. `self.cfg` is `cfg` with device, kernels and max_model_len resolved."""
-        device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+        allocates the KV cache, leaving `reserve_per_block` bytes per block it makes for a draft model's cache.
+        `self.cfg` is `cfg` with device, kernels and max_model_len resolved."""
+        device = resolve_device(cfg.device)
         # Triton kernels on the GPU; on CPU the interpreter would be far too slow
         kernels = cfg.kernels if cfg.kernels != "auto" else "triton" if device.startswith("cuda") else "cpu"
         if device == "cpu":
@@ -109,21 +114,23 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit()
+        self.num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block)
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
                                             c.num_key_value_heads, c.head_dim, self.dtype, self.device)
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
+        self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
+        # (valid until the next step: a CUDA graph overwrites them)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_graphs(graph_batch_sizes(cfg.max_num_seqs), -(-self.cfg.max_model_len // self.block_size))
 
-    def _blocks_that_fit(self) -> int:
+    def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
-        per_block = kv_bytes_per_block(c.num_hidden_layers, self.block_size, c.num_key_value_heads, c.head_dim,
-                                       self.dtype)
+        per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, c.num_key_value_heads,
+                                                           c.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - cfg.gpu_memory_utilization) * total
@@ -134,7 +141,8 @@ class ModelRunner:
 
     # ----- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, plan: StepPlan) -> StepFuture:
+    def step(self, plan: StepPlan, draft_probs: torch.Tensor | None = None) -> StepFuture:
+        """Run one plan; `draft_probs` holds the rows its samples' `draft_row`s name (a draft model's proposals)."""
         dev = self.device
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
@@ -176,7 +184,13 @@ class ModelRunner:
         picked = [spec.logits_row for spec in plan.samples]
         if picked != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
             logits = logits.index_select(0, upload(picked, torch.int64, dev))
-        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples])
+        self.last_logits = logits
+        draft_tokens = None
+        if any(spec.draft_token >= 0 for spec in plan.samples):
+            draft_tokens = upload([spec.draft_token for spec in plan.samples], torch.int64, dev)
+            draft_probs = draft_probs.index_select(0, upload([max(spec.draft_row, 0) for spec in plan.samples],
+                                                             torch.int64, dev))
+        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs)
         self.last_sampled = sampled.tokens
         return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda")
 

@@ -25,8 +25,10 @@ class Sampled:
     top_logprobs: torch.Tensor | None
 
 
-def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
-    """logits [B, V] float32 (modified in place), one row per SampleRow."""
+def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: torch.Tensor | None = None,
+                draft_probs: torch.Tensor | None = None) -> Sampled:
+    """logits [B, V] float32 (modified in place), one row per SampleRow. Rows with a draft token (>= 0 in
+    draft_tokens [B], drawn from that row of draft_probs [B, V]) verify it with the rejection sampler."""
     dev, vocab = logits.device, logits.shape[-1]
     masked = [(i, t) for i, r in enumerate(rows) for t in r.blocked]
     params = [r.params for r in rows]
@@ -47,7 +49,8 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         chosen = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     else:
         tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev),
-                                    filtered=any(0 < p.top_k < vocab or p.top_p < 1 for p in params))
+                                    filtered=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
+                                    draft_tokens=draft_tokens, draft_probs=draft_probs)
     if raw_logprobs is not None:  # (the same values the ranks and top-k compare against)
         chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
     ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1 if ranked else None

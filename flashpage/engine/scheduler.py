@@ -6,6 +6,10 @@ it goes back to the front of the queue to be recomputed later, losing nothing). 
 it admits waiting sequences, reusing cached prompt blocks. The step goes to the runner as one `StepPlan`; each
 sequence whose last token it computes gets a sample row, and a PENDING token that the next step may already
 compute on (the runner reads it on the device).
+
+A decoding sequence with a speculative proposal (`seq.proposal`, made before the step) computes its last token
+and the proposed ones in one step, with a sample row after each; `accept` then keeps the verified part and gives
+the rest of the slots back. Proposals are dropped, never preempting anyone, where budget or blocks run short.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed, budget)
+            proposal = seq.proposal[:max(0, min(budget - n, seq.room(self.max_model_len) - 1))] \
+                if n == seq.num_uncomputed and not seq.num_pending else []
+            rows, seq.proposal, seq.proposal_rows = seq.proposal_rows, [], None
+            if self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > self.bm.num_free_blocks:
+                proposal = []
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -56,8 +65,8 @@ class Scheduler:
                     break
             if seq.status != RUNNING:
                 break  # it was the newest: everything after it is preempted too
-            self._schedule(seq, n, out)
-            budget -= n
+            self._schedule(seq, n, out, proposal, rows)
+            budget -= n + len(proposal)
             i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -79,25 +88,33 @@ class Scheduler:
             budget -= n
         return out
 
-    def _schedule(self, seq: Sequence, n: int, plan: StepPlan) -> None:
-        start = seq.num_computed
-        plan.copies += self.bm.append_slots(seq.seq_id, n)
+    def _schedule(self, seq: Sequence, n: int, plan: StepPlan, proposal: list[int] = (),
+                  draft_rows: list[int] | None = None) -> None:
+        start, m = seq.num_computed, len(proposal)
+        plan.copies += self.bm.append_slots(seq.seq_id, n + m)
         seq.num_computed += n
         self.commit(seq)
-        tokens = seq.token_ids[start:start + n]
+        tokens = seq.token_ids[start:start + n] + list(proposal)
         from_row = None
         if tokens[-1] == PENDING:  # only ever the last token of a decode
             tokens[-1], from_row = 0, seq.pending_row
-        step = SeqStep(seq.seq_id, tokens, list(range(start, start + n)), list(self.bm.table(seq.seq_id)),
+        step = SeqStep(seq.seq_id, tokens, list(range(start, start + n + m)), list(self.bm.table(seq.seq_id)),
                        last_token_from_row=from_row)
         last_prompt = seq.num_prompt_tokens - 1
         if seq.params.prompt_logprobs is not None and start < last_prompt and len(seq.prompt_logprobs) == start + 1:
             step.prompt_logprobs = seq.params.prompt_logprobs  # (not again when a preempted prompt is recomputed)
             step.prompt_targets = seq.token_ids[start + 1:min(start + n, last_prompt) + 1]
         if seq.num_computed == len(seq.token_ids):  # its last token: draw the next one (forks draw from it too)
-            step.num_logits = 1
+            step.num_logits = 1 + m
         row = plan.add(step)
-        if step.num_logits:
+        if m:  # a row after the last token and after each proposed one; the first is the PENDING token
+            seq.verifying = list(proposal)
+            plan.samples += [SampleSpec(seq.seq_id, row + i, seq.sample_row(proposal[:i])) for i in range(m + 1)]
+            if draft_rows is not None:  # drawn from a draft model's distribution: the rejection sampler checks them
+                for i in range(m):
+                    plan.samples[i - m - 1].draft_token, plan.samples[i - m - 1].draft_row = proposal[i], draft_rows[i]
+            self._expect_token(seq, len(plan.samples) - m - 1)
+        elif step.num_logits:
             for s in [seq, *seq.forks]:
                 if s is not seq:
                     self.fork(seq, s)
@@ -111,6 +128,12 @@ class Scheduler:
         seq.num_pending += 1
         seq.pending_row = sample_row
         seq.last_pending = seq.ends_at(len(seq.token_ids), self.max_model_len)
+
+    def accept(self, seq: Sequence, num_accepted: int) -> None:
+        """Its step verified the first `num_accepted` proposed tokens: their K/V is kept, the rest given back."""
+        seq.num_computed += num_accepted
+        self.bm.truncate(seq.seq_id, len(seq.verifying) - num_accepted)
+        seq.verifying = []
 
     def commit(self, seq: Sequence) -> None:
         """Publish the sequence's known tokens whose K/V is computed (or being computed) to the prefix cache."""

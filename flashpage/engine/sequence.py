@@ -37,6 +37,9 @@ class Sequence:
     pending_row: int | None = None  # the last step's sample row of its PENDING token
     last_pending: bool = False  # its pending token ends it (length limit): schedule nothing more
     first_scheduled_time: float | None = None  # time.time() of its first admission
+    proposal: list[int] = field(default_factory=list)  # speculative tokens proposed for its next step
+    proposal_rows: list[int] | None = None  # their rows of the draft model's probabilities (None: prompt lookup)
+    verifying: list[int] = field(default_factory=list)  # the proposal its step in flight verifies
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -60,15 +63,22 @@ class Sequence:
         return (self.params.max_tokens is not None and num_tokens - self.num_prompt_tokens >= self.params.max_tokens) \
             or num_tokens >= max_model_len
 
-    def sample_row(self) -> SampleRow:
-        """How to draw this sequence's next token. The stream depends only on the seed, the sample index and the
-        position, so a seeded request gives the same tokens whatever else is batched with it."""
-        num_output = len(self.token_ids) - self.num_prompt_tokens
+    def sample_row(self, proposed: list[int] = ()) -> SampleRow:
+        """How to draw this sequence's next token, or the one after `proposed` tokens (speculation). The stream
+        depends only on the seed, the sample index and the position, so a seeded request gives the same tokens
+        whatever else is batched with it, and whether or not they were proposed."""
+        tokens = self.token_ids + list(proposed) if proposed else self.token_ids
+        num_output = len(tokens) - self.num_prompt_tokens
         blocked = self.stop_ids if num_output < self.params.min_tokens else ()
         if self.bad_words:  # a bad word's last token, where the output ends with the tokens before it
             ends = [w[-1] for w in self.bad_words if len(w) - 1 <= num_output
-                    and self.token_ids[len(self.token_ids) - len(w) + 1:] == w[:-1]]
+                    and tokens[len(tokens) - len(w) + 1:] == w[:-1]]
             blocked = [*blocked, *ends]
-        history = list(self.token_ids) if self.params.uses_penalties else ()  # only penalties read it
-        return SampleRow(self.params, history, num_output, hash((self.seed, self.index, len(self.token_ids))) % 2**63,
-                         blocked)
+        history = list(tokens) if self.params.uses_penalties else ()  # only penalties read it
+        return SampleRow(self.params, history, num_output, hash((self.seed, self.index, len(tokens))) % 2**63, blocked)
+
+    def room(self, max_model_len: int) -> int:
+        """Tokens it may still grow by before it ends (max_tokens or the context)."""
+        limit = max_model_len if self.params.max_tokens is None else \
+            min(max_model_len, self.num_prompt_tokens + self.params.max_tokens)
+        return limit - len(self.token_ids)

@@ -45,6 +45,10 @@ class SampleSpec:
     seq_id: int  # the sequence the token is for
     logits_row: int  # which row of the step's logits (rows in SeqStep order, num_logits each)
     row: SampleRow
+    # A draft model's proposed token to verify here (-1: none) and the row of the draft's probabilities it was
+    # drawn from (the draft's tensor, which the proposer hands to the runner with the plan)
+    draft_token: int = -1
+    draft_row: int = -1
 
 
 @dataclass(slots=True)

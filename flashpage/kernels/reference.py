@@ -114,16 +114,29 @@ def filter_probs(probs, top_k, top_p, min_p):
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered=True):
+def _race(weights, seeds):
+    """Exponential race (Gumbel-max): argmax(w / E), E ~ Exp(1), one generator per row seeded by its seed."""
+    noise = torch.stack([torch.empty_like(weights[0]).exponential_(generator=torch.Generator(weights.device).manual_seed(s))
+                         for s in seeds.tolist()])
+    return (weights / noise).argmax(dim=-1)
+
+
+def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered=True, draft_tokens=None, draft_probs=None):
     is_greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
     if not bool(is_greedy.all()):
         probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None], dim=-1)
         probs = filter_probs(probs, top_k, top_p, min_p)
-        # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), one generator per row seeded by its seed.
-        noise = torch.stack([torch.empty_like(probs[0]).exponential_(generator=torch.Generator(logits.device).manual_seed(s))
+        tokens = torch.where(is_greedy, tokens, _race(probs, seeds))
+        if draft_tokens is not None:  # the rejection sampler (Leviathan et al.): keep d with probability min(1, p/q)
+            p = probs / probs.sum(-1, keepdim=True)
+            d = draft_tokens.clamp(min=0)[:, None]
+            u = torch.stack([torch.rand((), generator=torch.Generator(logits.device).manual_seed(s ^ 0x5EED))
                              for s in seeds.tolist()])
-        tokens = torch.where(is_greedy, tokens, (probs / noise).argmax(dim=-1))
+            residual = (p - draft_probs).clamp(min=0)
+            keep = (u * draft_probs.gather(-1, d)[:, 0] < p.gather(-1, d)[:, 0]) | (residual.sum(-1) == 0)
+            verified = torch.where(keep, d[:, 0], _race(residual, seeds))
+            tokens = torch.where(is_greedy | (draft_tokens < 0), tokens, verified)
     return tokens, torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 

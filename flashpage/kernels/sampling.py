@@ -10,9 +10,11 @@ still spreads over the GPU. Launches, all without a host sync:
    them exactly; each reads the previous pass's per-chunk counts and masses, and writes its own.
 3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
    keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours). This samples the
-   kept, renormalised distribution.
+   kept, renormalised distribution. A row verifying a draft token races over the residual max(p - q, 0) instead
+   (after `_kept_mass`, per chunk, has summed the kept e that normalise p).
 4. `_finish`: per row, the winning chunk (ties: lowest token id; temperature 0: the first maximum, as
-   torch.argmax) and the chosen token's log-probability under softmax(logits).
+   torch.argmax) and the chosen token's log-probability under softmax(logits); a draft token kept with
+   probability min(1, p / q) replaces the winner.
 """
 
 from __future__ import annotations
@@ -136,24 +138,61 @@ def _search_pass(Logits, Temperature, TopK, TopP, Stats, Bounds, Counts, Mass, s
 
 
 @triton.jit
-def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Mass, Winners, stride_l, vocab, chunk,
-          SEARCHED: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+def _threshold(Temperature, TopK, TopP, MinP, Stats, Bounds, Counts, Mass, row, vocab, SEARCHED: tl.constexpr,
+               S: tl.constexpr):
+    """The kept set of a sampled row is {e >= threshold}, e = exp((x - max) / T): min-p, top-k and top-p combined.
+    Returns (max logit, 1 / T, threshold)."""
+    inv_t = 1.0 / tl.load(Temperature + row)
+    best, first, raw_total, total = _row_summary(Stats, row, S, inv_t)
+    top_k = tl.load(TopK + row)
+    top_p = tl.load(TopP + row)
+    threshold = tl.load(MinP + row)  # min_p: e >= min_p * max e
+    if SEARCHED:
+        if (top_k < vocab) | (top_p < 1.0):
+            # (names, not `_`: the GPU compiler gives a name one type across both sides of a runtime if)
+            k_lo, k_hi, p_lo, p_hi = _bounds(Bounds, Counts, Mass, row, _SEARCH_PASSES, top_k, top_p, total, S)
+            threshold = tl.maximum(threshold, tl.maximum(k_lo.to(tl.float32, bitcast=True),
+                                                         p_lo.to(tl.float32, bitcast=True)))
+    return best, inv_t, tl.minimum(threshold, 1.0)  # the most likely token always survives
+
+
+@triton.jit
+def _kept_mass(Logits, Temperature, TopK, TopP, MinP, Stats, Bounds, Counts, Mass, DraftTokens, Kept, stride_l, vocab,
+               chunk, SEARCHED: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+    """Per chunk, the kept tokens' sum of e: with it a verified row knows its target probabilities p = e / sum."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if (tl.load(Temperature + row) != 0.0) & (tl.load(DraftTokens + row) >= 0):
+        best, inv_t, threshold = _threshold(Temperature, TopK, TopP, MinP, Stats, Bounds, Counts, Mass, row, vocab,
+                                            SEARCHED, S)
+        start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
+        offs = tl.arange(0, BLOCK)
+        kept = tl.zeros((BLOCK,), tl.float32)
+        for i in range(start, end, BLOCK):
+            x = tl.load(Logits + row * stride_l + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
+            e = tl.exp((x - best) * inv_t)
+            kept += tl.where(e >= threshold, e, 0.0)
+        tl.store(Kept + row * S + c, tl.sum(kept, 0))
+
+
+@triton.jit
+def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Mass, Winners, DraftTokens, DraftProbs,
+          Kept, stride_l, stride_q, vocab, chunk, SEARCHED: tl.constexpr, DRAFT: tl.constexpr, S: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """A row with a draft token races over the residual max(p - q, 0) (what it draws if the token is rejected);
+    other rows over p."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(Temperature + row)
     if t != 0.0:
-        inv_t = 1.0 / t
-        best, first, raw_total, total = _row_summary(Stats, row, S, inv_t)
-        top_k = tl.load(TopK + row)
-        top_p = tl.load(TopP + row)
-        threshold = tl.load(MinP + row)  # min_p: e >= min_p * max e
-        if SEARCHED:
-            if (top_k < vocab) | (top_p < 1.0):
-                # (names, not `_`: the GPU compiler gives a name one type across both sides of a runtime if)
-                k_lo, k_hi, p_lo, p_hi = _bounds(Bounds, Counts, Mass, row, _SEARCH_PASSES, top_k, top_p, total, S)
-                threshold = tl.maximum(threshold, tl.maximum(k_lo.to(tl.float32, bitcast=True),
-                                                             p_lo.to(tl.float32, bitcast=True)))
-        threshold = tl.minimum(threshold, 1.0)  # the most likely token always survives
+        best, inv_t, threshold = _threshold(Temperature, TopK, TopP, MinP, Stats, Bounds, Counts, Mass, row, vocab,
+                                            SEARCHED, S)
+        residual = False
+        inv_kept = 1.0
+        if DRAFT:
+            residual = tl.load(DraftTokens + row) >= 0
+            if residual:
+                inv_kept = 1.0 / tl.sum(tl.load(Kept + row * S + tl.arange(0, S)), 0)
         seed = tl.load(Seed + row)
         start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
         offs = tl.arange(0, BLOCK)
@@ -163,8 +202,14 @@ def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Ma
             idx = i + offs
             x = tl.load(Logits + row * stride_l + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
             z = (x - best) * inv_t
+            kept = (tl.exp(z) >= threshold) & (idx < end)
+            if residual:
+                q = tl.load(DraftProbs + row * stride_q + idx, mask=idx < end, other=0.0)
+                r = tl.where(kept, tl.exp(z) * inv_kept, 0.0) - q
+                kept = r > 0.0
+                z = tl.log(tl.where(kept, r, 1.0))
             score = z - tl.log(-tl.log(tl.rand(seed, idx)))  # maximise log e_i - log E_i
-            score = tl.where((tl.exp(z) >= threshold) & (idx < end), score, float("-inf"))
+            score = tl.where(kept, score, float("-inf"))
             take = score > lane_win
             lane_i = tl.where(take, idx, lane_i)
             lane_win = tl.where(take, score, lane_win)
@@ -174,7 +219,9 @@ def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Ma
 
 
 @triton.jit
-def _finish(Logits, Temperature, Stats, Winners, Out, OutLogprob, stride_l, S: tl.constexpr):
+def _finish(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Mass, Winners, DraftTokens, DraftProbs,
+            Kept, Out, OutLogprob, stride_l, stride_q, vocab, SEARCHED: tl.constexpr, DRAFT: tl.constexpr,
+            S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temperature + row)
     best, token, raw_total, _ = _row_summary(Stats, row, S, 1.0)
@@ -185,14 +232,30 @@ def _finish(Logits, Temperature, Stats, Winners, Out, OutLogprob, stride_l, S: t
         # no kept token won anywhere only if every draw underflowed: then the most likely token
         if win > float("-inf"):
             token = tl.min(tl.where(score == win, tl.load(Winners + (row * S + c) * 2 + 1), 2**31 - 1), 0).to(tl.int32)
+        if DRAFT:
+            draft = tl.load(DraftTokens + row).to(tl.int32)
+            if draft >= 0:  # accept it with probability min(1, p / q) (the rejection sampler), else the residual's
+                best_t, inv_t, threshold = _threshold(Temperature, TopK, TopP, MinP, Stats, Bounds, Counts, Mass, row,
+                                                      vocab, SEARCHED, S)
+                e = tl.exp((tl.load(Logits + row * stride_l + draft).to(tl.float32) - best) * inv_t)
+                p = tl.where(e >= threshold, e, 0.0) / tl.sum(tl.load(Kept + row * S + c), 0)
+                q = tl.load(DraftProbs + row * stride_q + draft)
+                u = tl.rand(tl.load(Seed + row), vocab)  # an offset no token's race noise uses
+                if (u * q < p) | (win == float("-inf")):  # (no residual left: p <= q everywhere, so p == q)
+                    token = draft
     tl.store(Out + row, token.to(tl.int64))
     tl.store(OutLogprob + row, tl.load(Logits + row * stride_l + token).to(tl.float32) - best - tl.log(raw_total))
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = True):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = True, draft_tokens=None,
+           draft_probs=None):
     """logits [B, V] -> (token ids [B] int64, their log-probabilities under softmax(logits) [B] float32). Per row:
     temperature (0 = greedy), top_k (>= V: off), top_p, min_p (float32 tensors, top_k int32) and seeds (int64).
-    filtered=False promises that no row uses top-k or top-p, which skips the threshold search."""
+    filtered=False promises that no row uses top-k or top-p, which skips the threshold search.
+
+    Speculative verification: where draft_tokens [B] int64 is >= 0, that token was drawn from the row of
+    draft_probs [B, V] float32 (q); it is kept with probability min(1, p / q), p the row's distribution after
+    temperature and filters, else the token is drawn from max(p - q, 0) renormalised (Leviathan et al.)."""
     batch, vocab = logits.shape
     dev = logits.device
     out = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -217,9 +280,19 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
         for it in range(_SEARCH_PASSES):
             _search_pass[grid](logits, temperature, top_k, top_p, stats, bounds, counts, mass, logits.stride(0), vocab,
                                chunk, it, S=chunks, BLOCK=min(block, 256))
-    _race[grid](logits, temperature, top_k, top_p, min_p, seeds, stats, bounds, counts, mass, winners,
-                logits.stride(0), vocab, chunk, SEARCHED=filtered, S=chunks, BLOCK=block)
-    _finish[(batch,)](logits, temperature, stats, winners, out, logprobs, logits.stride(0), S=chunks)
+    draft = draft_tokens is not None
+    kept = torch.empty((batch, chunks), dtype=torch.float32, device=dev) if draft else stats
+    if draft:
+        _kept_mass[grid](logits, temperature, top_k, top_p, min_p, stats, bounds, counts, mass, draft_tokens, kept,
+                         logits.stride(0), vocab, chunk, SEARCHED=filtered, S=chunks, BLOCK=block)
+    else:
+        draft_tokens = draft_probs = stats  # unread
+    _race[grid](logits, temperature, top_k, top_p, min_p, seeds, stats, bounds, counts, mass, winners, draft_tokens,
+                draft_probs, kept, logits.stride(0), draft_probs.stride(0), vocab, chunk, SEARCHED=filtered,
+                DRAFT=draft, S=chunks, BLOCK=block)
+    _finish[(batch,)](logits, temperature, top_k, top_p, min_p, seeds, stats, bounds, counts, mass, winners,
+                      draft_tokens, draft_probs, kept, out, logprobs, logits.stride(0), draft_probs.stride(0), vocab,
+                      SEARCHED=filtered, DRAFT=draft, S=chunks)
     return out, logprobs
 
 

@@ -1,0 +1,21 @@
+"""Speculative decoding: proposers (prompt lookup, a draft model) whose tokens one target step verifies.
+
+A proposer sets `seq.proposal` for decoding sequences before the step is scheduled; the scheduler computes those
+tokens with the sequence's last one, and the engine keeps the verified prefix (engine/llm_engine.py)."""
+
+from flashpage.engine.spec.config import SpeculativeConfig
+from flashpage.engine.spec.ngram import NgramProposer, propose_ngram
+from flashpage.engine.spec.stats import SpecStats
+
+
+def make_proposer(spec: SpeculativeConfig, cfg, runner, draft=None):
+    """The proposer of `spec.method` for an engine with config `cfg`, target `runner` and (draft_model) the draft's
+    loaded weights. A proposer's `propose(running)` sets `proposal` on the decoding sequences it can serve; `probs`
+    is what the target's step needs of it (a draft's q rows, or None), and `release(seq_id)` forgets a sequence."""
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    from flashpage.engine.spec.draft import DraftProposer
+    return DraftProposer(spec, cfg, runner, draft)
+
+
+__all__ = ["NgramProposer", "SpecStats", "SpeculativeConfig", "make_proposer", "propose_ngram"]

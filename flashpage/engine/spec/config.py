@@ -1,0 +1,63 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dictionary, checked once before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from flashpage.errors import ParameterError
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify step costs more than the tokens it can win (docs/spec.md)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram": prompt lookup; "draft_model": a smaller model with the target's vocabulary
+    num_speculative_tokens: int  # k: tokens proposed per sequence and step
+    model: str | None = None  # the draft (a directory, .gguf file or known name); draft_model only
+    prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence to look up
+    prompt_lookup_max: int = 4  # ngram: longest (the longest match found wins)
+    # no proposals in a step with more running sequences than this: verification is not free in a large batch
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpeculativeConfig:
+        """vLLM's keys; `method` may be left out when `model` is given (a draft model), and "[ngram]" (vLLM's
+        older spelling) is accepted. Raises ParameterError naming the key."""
+        def bad(key, why):
+            raise ParameterError(f"speculative_config.{key}", f"speculative_config: {key} {why}")
+
+        if not isinstance(d, dict):
+            raise ParameterError("speculative_config", f"speculative_config must be a dict, got {d!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            bad(unknown[0], f"is not a known key (known: {', '.join(sorted(known))})")
+        d = dict(d)
+        method = d.get("method") or ("draft_model" if d.get("model") not in (None, "[ngram]") else "ngram")
+        d["method"] = "ngram" if method == "[ngram]" else method
+        if d["method"] not in METHODS:
+            bad("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            bad("num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if d["method"] == "draft_model" and not isinstance(d.get("model"), str):
+            bad("model", "must name the draft model (a directory, .gguf file or known name)")
+        if d["method"] == "ngram":
+            d.pop("model", None)
+            lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+            if lo is None and hi is not None:
+                d["prompt_lookup_min"] = lo = min(hi, cls.prompt_lookup_min)
+            if hi is None and lo is not None:
+                d["prompt_lookup_max"] = hi = max(lo, cls.prompt_lookup_max)
+            lo, hi = lo or cls.prompt_lookup_min, hi or cls.prompt_lookup_max
+            for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    bad(key, f"must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                bad("prompt_lookup_min", f"({lo}) must not exceed prompt_lookup_max ({hi})")
+        limit = d.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            bad("disable_by_batch_size", f"must be an integer >= 1 or None, got {limit!r}")
+        return cls(**d)
