@@ -159,6 +159,18 @@ def test_parallel_sampling_shares_prompt_blocks():
     assert engine.stats()["kv_slots_allocated"] == 0
 
 
+def test_samples_forked_off_a_chunked_prompt_start_on_the_next_step():
+    """n > 1 on a prompt longer than a step's budget: the samples forked off at the prompt's last chunk start
+    decoding on the next step, from their own first token (they once decoded in the same step, from whatever row
+    of the previous step their token's row number named). Same seeds, same outputs as an unchunked run."""
+    prompts = [list(range(3, 13)), random.Random(0).choices(range(512), k=70)]
+    params = [SamplingParams(temperature=1.0, seed=4, max_tokens=8), SamplingParams(n=3, temperature=1.0, seed=9,
+                                                                                     max_tokens=8)]
+    whole = run(tiny_engine(), prompts, params)
+    chunked = run(tiny_engine(max_num_batched_tokens=32), prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in chunked] == [[c.token_ids for c in o.outputs] for o in whole]
+
+
 def test_internal_waste_under_4_percent_on_mixed_workload():
     rng = random.Random(1)
     engine = tiny_engine(max_num_seqs=16)

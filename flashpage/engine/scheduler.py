@@ -65,9 +65,9 @@ class Scheduler:
                     break
             if seq.status != RUNNING:
                 break  # it was the newest: everything after it is preempted too
-            self._schedule(seq, n, out, proposal, rows)
+            forked = self._schedule(seq, n, out, proposal, rows)
             budget -= n + len(proposal)
-            i += 1
+            i += 1 + forked  # samples forked off it now are computed from the next step on
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Prompt log-probs need every prompt token's logits: such a prompt is computed whole (as vLLM does).
@@ -89,7 +89,8 @@ class Scheduler:
         return out
 
     def _schedule(self, seq: Sequence, n: int, plan: StepPlan, proposal: list[int] = (),
-                  draft_rows: list[int] | None = None) -> None:
+                  draft_rows: list[int] | None = None) -> int:
+        """Put `n` of its tokens (and a proposal) in the plan; returns how many samples it forked off (n > 1)."""
         start, m = seq.num_computed, len(proposal)
         plan.copies += self.bm.append_slots(seq.seq_id, n + m)
         seq.num_computed += n
@@ -120,7 +121,9 @@ class Scheduler:
                     self.fork(seq, s)
                 plan.samples.append(SampleSpec(s.seq_id, row, s.sample_row()))
                 self._expect_token(s, len(plan.samples) - 1)
-            seq.forks = []
+            forked, seq.forks = len(seq.forks), []
+            return forked
+        return 0
 
     def _expect_token(self, seq: Sequence, sample_row: int) -> None:
         """The step will sample the sequence's next token: hold its place until it is read back."""
