@@ -206,7 +206,11 @@ class LLMEngine:
         """Proposals for the decoding sequences whose tokens are all known, unless the batch is too large for
         speculation to pay. Returns whether this step speculates."""
         running = self.scheduler.running
-        if not self.proposer or len(running) > (self.spec.disable_by_batch_size or len(running)):
+        if not self.proposer:
+            return False
+        for seq in running:  # (what the last step left unscheduled is stale)
+            seq.proposal, seq.proposal_rows = [], None
+        if len(running) > (self.spec.disable_by_batch_size or len(running)):
             return False
         self.proposer.propose(running)
         return True

@@ -41,7 +41,16 @@ class Metrics:
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens computed per engine step",
                                           registry=r, buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
                                                                8192, 16384))
-        self._counted = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        # speculative decoding (present only when the engine speculates)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Proposals verified", registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed", registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position in the proposal", ["position"],
+                                             registry=r)
+        self._counted = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "spec_num_drafts": 0,
+                         "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0}
+        self._counted_per_pos: list[int] = []
 
     def update_engine(self, stats: dict) -> None:
         self.running.set(stats["num_running"])
@@ -50,9 +59,17 @@ class Metrics:
         q = stats["prefix_cache_queries"]
         self.prefix_hit_rate.set(stats["prefix_cache_hits"] / q if q else 0.0)
         self.preemptions.set(stats["num_preemptions"])
-        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits)):
-            counter.inc(stats[key] - self._counted[key])
-            self._counted[key] = stats[key]
+        for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
+                             ("spec_num_drafts", self.spec_drafts), ("spec_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_num_accepted_tokens", self.spec_accepted)):
+            if key in stats:
+                counter.inc(stats[key] - self._counted[key])
+                self._counted[key] = stats[key]
+        per_pos = stats.get("spec_accepted_per_position", [])
+        self._counted_per_pos += [0] * (len(per_pos) - len(self._counted_per_pos))
+        for i, n in enumerate(per_pos):
+            self.spec_accepted_per_pos.labels(str(i)).inc(n - self._counted_per_pos[i])
+            self._counted_per_pos[i] = n
 
     def request_finished(self, metrics) -> None:
         """A request's phases from its RequestMetrics."""

@@ -87,7 +87,9 @@ class DraftProposer:
             if step.num_logits:
                 plan.samples.append(SampleSpec(seq.seq_id, row, self._row(seq, known)))
                 drafting.append((seq, k))
-        if not drafting:
+        if not drafting:  # catching up on long prompts only
+            if plan.seqs:
+                self.runner.step(plan)
             return
         futures, probs = [], []
         for j in range(max(k for _, k in drafting)):
@@ -120,7 +122,8 @@ class DraftProposer:
 
     def _roll_back(self, seq: Sequence) -> int:
         """Tokens whose draft K/V still holds: drafted tokens fed back count up to the first the target did not
-        keep. Gives back the draft slots after them; returns their count (where this step starts)."""
+        keep, and the last token is always computed again (its logits draw the first proposal; the target may not
+        have scheduled the sequence at all). Gives back the draft slots after them; returns their count."""
         seq_id = seq.seq_id
         if seq_id not in self.bm.tables:
             self.bm.allocate_prefix(seq_id, [])
@@ -130,6 +133,7 @@ class DraftProposer:
             kept = next((j for j, t in enumerate(fed) if pos + j >= len(seq.token_ids) or seq.token_ids[pos + j] != t),
                         len(fed))
             self.computed[seq_id] = pos + kept
+        self.computed[seq_id] = min(self.computed[seq_id], len(seq.token_ids) - 1)
         self.bm.truncate(seq_id, self.bm.num_tokens[seq_id] - self.computed[seq_id])
         return self.computed[seq_id]
 

@@ -1,0 +1,259 @@
+"""Speculative decoding: proposers, the rejection sampler, and the engine's verification (lossless, no leaks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import chi2_limit, engine_from
+from flashpage import SamplingParams
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine, streamable_end
+from flashpage.engine.spec import propose_ngram
+from flashpage.errors import ParameterError
+from flashpage.kernels import reference, sampling
+from flashpage.model import AttentionMetadata
+from test_engine import mixed_workload, run, tiny_engine
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    assert propose_ngram([7, 1, 2, 9, 8, 1, 2, 5, 6, 1, 2], 2, 2, 2) == [5, 6]  # the latest of two matches
+    assert propose_ngram([1, 2, 3, 9, 2, 3], 2, 1, 2) == [9, 2]  # n=2 ([2, 3]) beats n=1
+    assert propose_ngram([5, 5, 5, 5], 2, 1, 2) == [5, 5]  # the latest match followed by k tokens
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []
+    assert propose_ngram([4], 3, 1, 3) == []
+    assert propose_ngram([1, 2, 1], 5, 1, 1) == [2, 1]  # fewer than k after the match
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": 1000}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead is not a known key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "must not exceed"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "must name the draft model"),
+    ({"model": "no-such-model", "num_speculative_tokens": 2}, "draft model: unknown model 'no-such-model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+])
+def test_bad_speculative_config_is_one_clear_error(bad, match):
+    with pytest.raises(ParameterError, match=match):
+        tiny_engine(speculative_config=bad)
+
+
+def test_command_line_takes_speculative_config_as_json(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert EngineConfig.from_cli(args).speculative.num_speculative_tokens == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{ngram"])
+    assert "invalid JSON object value" in capsys.readouterr().err
+
+
+# ----- the rejection sampler --------------------------------------------------------------------------------
+def filtered_target(logits, temperature, top_k, top_p, min_p):
+    p = reference.filter_probs(torch.softmax(logits / temperature, -1)[None], torch.tensor([top_k]),
+                               torch.tensor([top_p]), torch.tensor([min_p]))[0]
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.8, 12, 1.0, 0.0), (1.2, 5, 1.0, 0.0), (0.9, 12, 0.8, 0.05)])
+def test_rejection_sampler_draws_from_the_target_chi_square(kernels, temperature, top_k, top_p, min_p):
+    """Draft tokens drawn from q, verified against p: the output is distributed as p (filters included), and kept
+    with probability sum(min(p, q)). The Triton kernel runs in the interpreter here: fewer draws."""
+    filtered = top_k < 12 or top_p < 1
+    if kernels == "triton" and top_p < 1:
+        pytest.skip("the interpreter takes minutes over the search passes; top-k covers them")
+    vocab, draws = 12, 4000 if kernels == "torch" else 250 if filtered else 500
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    logits = torch.randn(vocab, generator=gen)
+    q = torch.softmax(logits + torch.randn(vocab, generator=gen), -1)  # near p but different: both paths taken
+    p = filtered_target(logits, temperature, top_k, top_p, min_p)
+    drafts = torch.multinomial(q, draws, replacement=True, generator=gen)
+    ops = reference if kernels == "torch" else sampling
+    tokens, logprobs = ops.sample(
+        logits.repeat(draws, 1), torch.full((draws,), temperature), torch.full((draws,), top_k, dtype=torch.int32),
+        torch.full((draws,), top_p), torch.full((draws,), min_p), torch.randint(0, 2**62, (draws,), generator=gen),
+        filtered=filtered, draft_tokens=drafts, draft_probs=q.repeat(draws, 1))
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert counts[p == 0].sum() == 0  # nothing outside the kept set
+    expected = p[p > 0].double() * draws
+    chi2 = float(((counts[p > 0] - expected) ** 2 / expected).sum())
+    assert chi2 < chi2_limit(int((p > 0).sum()) - 1), (chi2, counts, expected)
+    kept = float((tokens == drafts).double().mean())
+    rate = float(torch.minimum(p, q).sum())
+    assert abs(kept - rate) < 4 * (rate * (1 - rate) / draws) ** 0.5 + 1e-9, (kept, rate)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_rejection_sampler_greedy_keeps_the_argmax_and_rows_without_drafts_sample_as_usual(kernels):
+    ops = reference if kernels == "torch" else sampling
+    logits = torch.randn(4, 10)
+    best = logits.argmax(-1)
+    drafts = torch.tensor([int(best[0]), (int(best[1]) + 1) % 10, -1, -1])
+    q = torch.softmax(torch.randn(4, 10), -1)
+    temperature = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    seeds = torch.tensor([1, 2, 3, 4])
+    args = (temperature, torch.full((4,), 10, dtype=torch.int32), torch.ones(4), torch.zeros(4), seeds)
+    tokens, _ = ops.sample(logits.clone(), *args, filtered=False, draft_tokens=drafts, draft_probs=q)
+    plain, _ = ops.sample(logits.clone(), *args, filtered=False)
+    assert tokens[:3].tolist() == best[:3].tolist() and tokens[3] == plain[3]
+
+
+# ----- the engine -------------------------------------------------------------------------------------------
+def greedy_texts(llm):
+    tok = llm.tokenizer
+    passage = ("The library lends books for three weeks. Books may be renewed twice, online or at the desk, unless "
+               "another reader has reserved them. Late books cost ten cents a day.")
+    code = "def area(width, height):\n    return width * height\n\n\ndef volume(width, height, depth):\n    return"
+    prompts = [passage + " Repeat the rules word for word: The library lends books",
+               code, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "A", "Once upon a time"]
+    return [tok.encode(p) for p in prompts]
+
+
+@pytest.mark.parametrize("speculative_config", [NGRAM, "self-draft"])
+def test_speculation_is_token_identical_on_smollm_with_chunks_preemption_and_prefix_hits(smollm_llm, smollm_gguf,
+                                                                                        speculative_config):
+    """Greedy decoding with proposals = without, in a batch with chunked prefill, a cache too small (preemption)
+    and prefix hits (each prompt twice). The self-draft (the model drafting for itself) accepts everything."""
+    if speculative_config == "self-draft":
+        speculative_config = {"model": str(smollm_gguf), "num_speculative_tokens": 3}
+    prompts = greedy_texts(smollm_llm) * 2
+    params = [SamplingParams(temperature=0, max_tokens=24, min_tokens=4, stop=["rules"] if i == 3 else None)
+              for i in range(len(prompts))]
+    base = run(engine_from(smollm_llm), prompts, params)
+    engine = engine_from(smollm_llm, speculative_config=speculative_config, max_num_batched_tokens=40,
+                         num_gpu_blocks=14)
+    outs = run(engine, prompts, params)
+    for b, o in zip(base, outs):
+        assert (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) == \
+            (b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["spec_num_accepted_tokens"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if "model" in speculative_config:
+        assert stats["spec_acceptance_rate"] == 1.0
+        assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks
+
+
+def test_prompt_lookup_keeps_seeded_sampling_token_identical():
+    """Verifying a point-mass proposal by the draw that decoding would make anyway (same seed, same position) is
+    the rejection sampler for that proposal, and keeps every sampled, seeded, penalised or filtered token as it
+    would be without speculation."""
+    prompts, params = mixed_workload()
+    prompts = [p + p[:20] for p in prompts]  # something to look up
+    base = run(tiny_engine(max_num_batched_tokens=48), prompts, params)
+    engine = tiny_engine(max_num_batched_tokens=48, speculative_config=NGRAM)
+    spec = run(engine, prompts, params)
+    for b, s in zip(base, spec):
+        assert [(c.token_ids, c.finish_reason) for c in b.outputs] == [(c.token_ids, c.finish_reason) for c in s.outputs]
+    assert engine.stats()["spec_num_drafts"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_checkpoints, tmp_path_factory):
+    """A tiny random target and a draft that agrees with it often but not always: the same model with noise added
+    to its weights, and one layer instead of two."""
+    import copy
+
+    path, model = tiny_checkpoints["llama3-rope-scaling"]
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen) if p.numel() > 1 else 0)
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    out = tmp_path_factory.mktemp("draft")
+    draft.save_pretrained(out)
+    return str(path), str(out)
+
+
+def test_draft_model_greedy_identity_with_rejections_and_draft_rollback(tiny_pair):
+    target, draft = tiny_pair
+    rng = random.Random(int(torch.randint(1 << 30, ())))
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 9, 40, 70, 17, 3)]
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    base = run(LLMEngine(EngineConfig(model=target, device="cpu")), prompts, params)
+    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_batched_tokens=32, num_gpu_blocks=16,
+                                    speculative_config={"model": draft, "num_speculative_tokens": 3}))
+    outs = run(engine, prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [b.outputs[0].token_ids for b in base]
+    stats = engine.stats()
+    assert 0 < stats["spec_acceptance_rate"] < 1 and stats["num_preemptions"] > 0
+    assert stats["spec_accepted_per_position"][0] >= stats["spec_accepted_per_position"][-1]
+    assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks
+
+
+def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair):
+    """Second tokens (the first that a verification draws) of many seeded requests, given the most common first
+    token, against the target's own filtered distribution: the draft differs from the target on purpose."""
+    target, draft = tiny_pair
+    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_seqs=512,
+                                    speculative_config={"model": draft, "num_speculative_tokens": 2}))
+    prompt = [5, 17, 99, 3]
+    params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3, ignore_eos=True) for s in range(3000)]
+    outs = [o.outputs[0].token_ids for o in run(engine, [prompt] * len(params), params)]
+    assert engine.stats()["spec_num_drafts"] > 0
+    first = max(set(t[0] for t in outs), key=[t[0] for t in outs].count)
+    seconds = torch.tensor([t[1] for t in outs if t[0] == first])
+    model = engine.runner.model
+    with torch.no_grad():
+        ids = torch.tensor(prompt + [first])
+        logits = model.compute_logits(model(ids, AttentionMetadata.prefill([len(ids)]), None))[-1]
+    p = filtered_target(logits, 1.0, 6, 1.0, 0.0)
+    counts = torch.bincount(seconds, minlength=p.numel()).double()
+    assert counts[p == 0].sum() == 0
+    expected = p[p > 0].double() * len(seconds)
+    chi2 = float(((counts[p > 0] - expected) ** 2 / expected).sum())
+    assert len(seconds) > 300 and chi2 < chi2_limit(int((p > 0).sum()) - 1), (chi2, counts, expected)
+
+
+def test_stop_strings_never_leak_when_several_tokens_land_in_one_step(smollm_llm):
+    prompt = smollm_llm.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,")
+    base = run(engine_from(smollm_llm), [prompt], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    stop = base[base.index("17"):base.index("17") + 4]  # "17, " spans tokens that land in one verified step
+    engine = engine_from(smollm_llm, speculative_config=NGRAM)
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    shown = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            shown.append(c.text[:streamable_end(c.text, [stop], out.finished)])
+    assert shown[-1] == base[:base.index(stop)] and not any(stop in s for s in shown)
+    assert engine.stats()["spec_mean_accepted_length"] > 1.5
+
+
+def test_no_block_leaks_after_aborts_mid_speculation(tiny_pair):
+    target, draft = tiny_pair
+    engine = LLMEngine(EngineConfig(model=target, device="cpu", num_gpu_blocks=40,
+                                    speculative_config={"model": draft, "num_speculative_tokens": 4}))
+    for i in range(6):
+        engine.add_request(f"r{i}", list(range(i, i + 30)), SamplingParams(temperature=0.7, seed=i, max_tokens=60,
+                                                                            n=1 + i % 2, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.stats()["spec_num_drafts"] > 0
+    for i in range(6):
+        engine.abort_request(f"r{i}")
+    stats = engine.stats()
+    assert stats["kv_slots_allocated"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks and not engine.proposer.computed
+
+
+def test_speculation_stops_above_disable_by_batch_size():
+    engine = tiny_engine(speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    run(engine, [prompt] * 3, SamplingParams(temperature=0, max_tokens=10))
+    assert engine.stats()["spec_num_drafts"] == 0
+    run(engine, [prompt] * 2, SamplingParams(temperature=0, max_tokens=10))
+    assert engine.stats()["spec_num_drafts"] > 0
