@@ -48,8 +48,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="on SIGTERM, seconds running requests may still run before they are aborted (default 5)")
     bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput (CUDA GPU); serve (a running "
-                                         "server); cpu (flashpage vs transformers on this CPU)")
-    bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve", "cpu"])
+                                         "server); cpu (flashpage vs transformers on this CPU); spec (speculative "
+                                         "decoding against none)")
+    bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve", "cpu", "spec"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     return parser, {"generate": gen, "chat": chat, "serve": serve, "bench": bench}
 

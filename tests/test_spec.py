@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import chi2_limit, engine_from
+from conftest import DEVICE, chi2_limit, engine_from
 from flashpage import SamplingParams
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine, streamable_end
@@ -70,19 +70,20 @@ def test_rejection_sampler_draws_from_the_target_chi_square(kernels, temperature
     """Draft tokens drawn from q, verified against p: the output is distributed as p (filters included), and kept
     with probability sum(min(p, q)). The Triton kernel runs in the interpreter here: fewer draws."""
     filtered = top_k < 12 or top_p < 1
-    if kernels == "triton" and top_p < 1:
+    if kernels == "triton" and top_p < 1 and DEVICE == "cpu":
         pytest.skip("the interpreter takes minutes over the search passes; top-k covers them")
-    vocab, draws = 12, 4000 if kernels == "torch" else 250 if filtered else 500
+    vocab, draws = 12, 4000 if kernels == "torch" or DEVICE == "cuda" else 250 if filtered else 500
+    dev = DEVICE if kernels == "triton" else "cpu"
     gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
     logits = torch.randn(vocab, generator=gen)
     q = torch.softmax(logits + torch.randn(vocab, generator=gen), -1)  # near p but different: both paths taken
     p = filtered_target(logits, temperature, top_k, top_p, min_p)
     drafts = torch.multinomial(q, draws, replacement=True, generator=gen)
     ops = reference if kernels == "torch" else sampling
-    tokens, logprobs = ops.sample(
+    tokens, logprobs = (t.cpu() for t in ops.sample(*(t.to(dev) for t in (
         logits.repeat(draws, 1), torch.full((draws,), temperature), torch.full((draws,), top_k, dtype=torch.int32),
-        torch.full((draws,), top_p), torch.full((draws,), min_p), torch.randint(0, 2**62, (draws,), generator=gen),
-        filtered=filtered, draft_tokens=drafts, draft_probs=q.repeat(draws, 1))
+        torch.full((draws,), top_p), torch.full((draws,), min_p), torch.randint(0, 2**62, (draws,), generator=gen))),
+        filtered=filtered, draft_tokens=drafts.to(dev), draft_probs=q.repeat(draws, 1).to(dev)))
     counts = torch.bincount(tokens, minlength=vocab).double()
     assert counts[p == 0].sum() == 0  # nothing outside the kept set
     expected = p[p > 0].double() * draws
@@ -104,8 +105,10 @@ def test_rejection_sampler_greedy_keeps_the_argmax_and_rows_without_drafts_sampl
     temperature = torch.tensor([0.0, 0.0, 0.0, 1.0])
     seeds = torch.tensor([1, 2, 3, 4])
     args = (temperature, torch.full((4,), 10, dtype=torch.int32), torch.ones(4), torch.zeros(4), seeds)
-    tokens, _ = ops.sample(logits.clone(), *args, filtered=False, draft_tokens=drafts, draft_probs=q)
-    plain, _ = ops.sample(logits.clone(), *args, filtered=False)
+    dev = DEVICE if kernels == "triton" else "cpu"
+    args = [t.to(dev) for t in args]
+    tokens, _ = ops.sample(logits.to(dev), *args, filtered=False, draft_tokens=drafts.to(dev), draft_probs=q.to(dev))
+    plain, _ = ops.sample(logits.to(dev), *args, filtered=False)
     assert tokens[:3].tolist() == best[:3].tolist() and tokens[3] == plain[3]
 
 

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each system (median reported)")
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help="flashpage speculates (JSON, as the engine setting); acceptance is reported")
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                "output_len": args.output_len}
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16)
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
+              speculative_config=args.speculative_config)
     vocab = llm.config.vocab_size
     first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     total_s = statistics.median(timed_generate(args.output_len)[0] for _ in range(args.repeats))
     results["flashpage_ms_per_token"] = (total_s - prefill_s) / (args.output_len - 1) * 1e3
     results["flashpage_ttft_ms"] = prefill_s * 1e3
+    if args.speculative_config:
+        results["speculative_config"] = args.speculative_config
+        results["spec"] = {k: v for k, v in llm.stats().items() if k.startswith("spec_")}
     if llm.engine.runner.graphs:
         results["decode_step"] = decode_breakdown(llm.engine.runner, args.batch_size)
 
@@ -213,6 +219,10 @@ def report(r: dict) -> None:
               f"for its attention kernel)")
         for kind, ms in sorted(d["kernel_ms"].items(), key=lambda kv: -kv[1]):
             print(f"  {kind:<48}{ms:>8.3f} ms")
+    if "spec" in r:
+        print(f"speculative decoding {json.dumps(r['speculative_config'])}: acceptance "
+              f"{r['spec']['spec_acceptance_rate']:.2f}, {r['spec']['spec_mean_accepted_length']:.2f} tokens per "
+              f"verification")
     for c in r.get("greedy_check", []):
         extra = f", margin {c['margin_at_divergence']:.3f} there" if "margin_at_divergence" in c else ""
         print(f"greedy vs transformers, prompt {c['prompt_len']}: first {c['equal_tokens']} tokens equal{extra}; "

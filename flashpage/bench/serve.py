@@ -67,6 +67,21 @@ async def one_request(http: httpx.AsyncClient, body: dict, headers: dict) -> Req
     return res
 
 
+def spec_counters(args) -> dict[str, float]:
+    """The server's speculative-decoding counters (vLLM's names in /metrics); empty where it does not speculate."""
+    try:
+        text = httpx.get(f"{args.url}/metrics").text
+    except httpx.HTTPError:
+        return {}
+    counters = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                    "vllm:spec_decode_num_accepted_tokens_total"):
+            counters[name.split(":spec_decode_")[1].removesuffix("_total")] = float(value)
+    return counters
+
+
 def make_prompts(args) -> list[list[int]]:
     rng = random.Random(args.seed)
     return [[rng.randrange(100, args.vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
@@ -148,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         args.model = httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
     prompts = make_prompts(args)
+    before = spec_counters(args)
     result = asyncio.run(run(args, prompts))
+    after = spec_counters(args)
+    if after:
+        drafts, proposed, accepted = (after[k] - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens",
+                                                                              "num_accepted_tokens"))
+        result["spec_acceptance_rate"] = accepted / max(1, proposed)
+        result["spec_mean_accepted_length"] = 1 + accepted / max(1, drafts)
     if args.compare_offline:
         result["offline_output_token_throughput"] = offline_rate(args, prompts)
         result["server_over_offline"] = result["output_token_throughput"] / result["offline_output_token_throughput"]
@@ -159,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ttft", "itl", "e2e_latency"):
         s = result[name]
         print(f"{name:12s} mean {s['mean_ms']:9.2f} ms   median {s['median_ms']:9.2f} ms   p99 {s['p99_ms']:9.2f} ms")
+    if "spec_acceptance_rate" in result:
+        print(f"speculative decoding: acceptance {result['spec_acceptance_rate']:.2f}, "
+              f"{result['spec_mean_accepted_length']:.2f} tokens per verification")
     if args.compare_offline:
         print(f"offline LLM.generate, same requests: {result['offline_output_token_throughput']:.1f} output tok/s; "
               f"the server delivers {result['server_over_offline']:.2f}x of it")

@@ -1,0 +1,316 @@
+"""`flashpage bench spec`: speculative decoding, against no speculation in the same run.
+
+`real` (the default model, CPU or GPU): prompt lookup on prompts whose answers reuse their input, written from
+text that CPython ships (the documentation in `pydoc_data/topics.py`, standard-library source): copy-edit a
+passage, edit a function, summarise a passage. Each prompt alone, greedy, chat template; wall time with and
+without speculation (the same tokens come out, which is checked), tokens per verification, acceptance.
+
+`mechanics` (CUDA GPU, dummy weights; acceptance of random weights means nothing, so the proposals are chosen):
+1. one verify step (a sequence's last token + k proposals, k = 1..8) against a plain decode step, batch 1,
+   timed on the runner with CUDA events;
+2. end to end, batch 1: an oracle proposer that knows the greedy answer and proposes it, each token corrupted
+   with probability 1 - a, for a in --acceptance (the speedup-vs-acceptance curve; a = 1: every proposal right);
+3. the same at --batch-sizes concurrent requests (full acceptance), with speculation forced on, and with the
+   default disable_by_batch_size (the load switch), against no speculation;
+4. a draft model (--draft, dummy llama-3.2-1b): the time of its k proposals, as target decode steps.
+Prints tables; `--out` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
+from flashpage.loader import LoadedModel
+from flashpage.sampling_params import SamplingParams
+
+
+def real_prompts() -> list[tuple[str, str]]:
+    """(task, user message) pairs from text that ships with CPython."""
+    import textwrap
+
+    from pydoc_data.topics import topics
+
+    def passage(name, chars=900):
+        text = topics[name]
+        return text[:text.rfind("\n\n", 0, chars)].strip()
+
+    return [
+        ("copy-edit", "Copy the following text exactly, fixing only spelling mistakes if there are any:\n\n"
+                      + passage("pass")),
+        ("copy-edit", "Copy the following text exactly, fixing only spelling mistakes if there are any:\n\n"
+                      + passage("assert")),
+        ("edit-code", "Rename the function `dedent` to `remove_common_indent` in this code and show the whole "
+                      "code:\n\n```python\n" + inspect.getsource(textwrap.dedent) + "```"),
+        ("edit-code", "Add a type hint to every argument of this function and show the whole function:\n\n"
+                      "```python\n" + inspect.getsource(textwrap.indent) + "```"),
+        ("summarise", "Summarise this passage in two sentences:\n\n" + passage("break")),
+        ("summarise", "Summarise this passage in two sentences:\n\n" + passage("continue")),
+    ]
+
+
+def engine_over(llm, **settings) -> LLMEngine:
+    """Another engine over `llm`'s loaded model (no reload)."""
+    loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
+    cfg = EngineConfig(**{**{k: getattr(llm.engine.cfg, k) for k in ("device", "dtype", "max_model_len",
+                                                                   "num_gpu_blocks")}, **settings})
+    return LLMEngine(cfg, loaded)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Free what deleted engines held (engines freeze what start-up built, so a full collection must unfreeze)."""
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    sync()
+    start = time.perf_counter()
+    engine.add_request("r", prompt, params)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    return time.perf_counter() - start, out.outputs[0].token_ids
+
+
+def real(args) -> dict:
+    from flashpage import LLM
+
+    llm = LLM(args.model, **({"dtype": "float32"} if args.device == "cpu" else {}), device=args.device,
+              max_model_len=4096, num_gpu_blocks=512)
+    spec = json.loads(args.speculative_config)
+    plain, fast = engine_over(llm), engine_over(llm, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows = []
+    for task, message in real_prompts():
+        ids = llm.chat_prompt_ids([{"role": "user", "content": message}])
+        run_alone(plain, ids[:32], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        base_s, base = run_alone(plain, ids, params)
+        before = dict(fast.spec_stats.as_dict())
+        spec_s, out = run_alone(fast, ids, params)
+        after = fast.spec_stats.as_dict()
+        drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
+        accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        proposed = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+        rows.append({"task": task, "prompt_tokens": len(ids), "output_tokens": len(out), "same_tokens": out == base,
+                     "plain_s": base_s, "spec_s": spec_s, "speedup": base_s / spec_s,
+                     "tokens_per_verification": 1 + accepted / max(1, drafts),
+                     "acceptance": accepted / max(1, proposed), "verifications": drafts})
+        r = rows[-1]
+        print(f"{task:10s} prompt {len(ids):4d} out {len(out):4d}  plain {base_s:6.2f} s  spec {spec_s:6.2f} s  "
+              f"{r['speedup']:.2f}x  {r['tokens_per_verification']:.2f} tokens/verification  "
+              f"acceptance {r['acceptance']:.2f}  same tokens: {r['same_tokens']}", flush=True)
+    by_task = {}
+    for r in rows:
+        by_task.setdefault(r["task"], []).append(r)
+    summary = {t: {"speedup": sum(x["plain_s"] for x in rs) / sum(x["spec_s"] for x in rs),
+                   "tokens_per_verification": statistics.mean(x["tokens_per_verification"] for x in rs)}
+               for t, rs in by_task.items()}
+    for t, s in summary.items():
+        print(f"{t:10s} total speedup {s['speedup']:.2f}x, {s['tokens_per_verification']:.2f} tokens/verification")
+    return {"model": args.model, "device": str(llm.engine.runner.device), "speculative_config": spec,
+            "max_tokens": args.max_tokens, "prompts": rows, "by_task": summary}
+
+
+class OracleProposer:
+    """Proposes each request's known greedy answer, each token replaced by a wrong one with probability 1 - a
+    (bench only: acceptance on demand)."""
+    probs = None
+
+    def __init__(self, k: int, answers: dict[str, list[int]], acceptance: float, vocab: int):
+        self.k, self.answers, self.acceptance, self.vocab = k, answers, acceptance, vocab
+        self.rng = random.Random(0)
+
+    def propose(self, running) -> None:
+        for seq in running:
+            if seq.num_uncomputed == 1 and not seq.num_pending:
+                done = len(seq.token_ids) - seq.num_prompt_tokens
+                right = self.answers[seq.request_id][done:done + self.k]
+                seq.proposal = [t if self.rng.random() < self.acceptance else (t + 1) % self.vocab for t in right]
+
+    def release(self, seq_id: int) -> None:
+        pass
+
+
+def mechanics(args) -> dict:
+    from flashpage import LLM
+    from flashpage.engine.step import SampleSpec, SeqStep, StepPlan
+
+    cuda = args.device != "cpu"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("flashpage bench spec mechanics: needs a CUDA GPU (--device cpu: a dry run)")
+    out = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model, "input_len": args.input_len,
+           "output_len": args.max_tokens}
+    max_len, top = args.input_len + args.max_tokens + 32, max(map(int, args.batch_sizes.split(",")))
+    # every engine of this run gets a cache for its largest batch (they live one at a time beside the first)
+    llm = LLM(args.model, load_format="dummy", dtype="bfloat16" if cuda else "float32", device=args.device,
+              max_model_len=max_len, max_num_seqs=top, num_gpu_blocks=top * -(-max_len // 16) + 64)
+    runner, vocab = llm.engine.runner, llm.config.vocab_size
+
+    # 1. one verify step against one decode step (batch 1, context input_len)
+    table = list(range(-(-(args.input_len + 16) // runner.block_size)))
+    params = SamplingParams(temperature=0)
+    from flashpage.engine.step import SampleRow
+
+    def plan_for(k: int) -> StepPlan:
+        plan = StepPlan()
+        plan.add(SeqStep(0, [7] * (k + 1), list(range(args.input_len, args.input_len + k + 1)), table,
+                         num_logits=k + 1))
+        plan.samples = [SampleSpec(0, i, SampleRow(params, (), 0, i)) for i in range(k + 1)]
+        return plan
+
+    def step_ms(k: int) -> float:
+        plan = plan_for(k)
+        for _ in range(3):
+            runner.step(plan).result()
+        times = []
+        for _ in range(20):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                runner.step(plan).result()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                runner.step(plan).result()
+                times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
+
+    base = step_ms(0)
+    out["decode_step_ms"] = base
+    out["verify_step"] = [{"k": k, "ms": (ms := step_ms(k)), "vs_decode": ms / base} for k in range(1, 9)]
+    print(f"decode step (batch 1{', CUDA graph' if runner.graphs else ''}): {base:.3f} ms")
+    for r in out["verify_step"]:
+        print(f"verify k={r['k']}: {r['ms']:.3f} ms = {r['vs_decode']:.2f}x a decode step")
+
+    # 2./3. end to end with the oracle proposer
+    gen = torch.Generator().manual_seed(0)
+    k = args.k
+    out["e2e"] = []
+    for batch in map(int, args.batch_sizes.split(",")):
+        prompts = torch.randint(100, vocab, (batch, args.input_len), generator=gen).tolist()
+        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+        def timed(engine, proposer=None):
+            if proposer is not None:
+                engine.proposer = proposer
+            ids = [f"b{batch}-{i}" for i in range(batch)]
+            sync()
+            start = time.perf_counter()
+            for rid, p in zip(ids, prompts):
+                engine.add_request(rid, p, greedy)
+            done = {}
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        done[o.request_id] = o.outputs[0].token_ids
+            return time.perf_counter() - start, done
+
+        plain = llm.engine
+        timed(plain)  # warm-up
+        plain_s, answers = timed(plain)
+        for acceptance in ([float(a) for a in args.acceptance.split(",")] if batch == 1 else [1.0]):
+            for limit in ([None] if batch == 1 else [None, "default"]):
+                spec = {"method": "ngram", "num_speculative_tokens": k}
+                if limit is None:  # forced on (else the default load switch)
+                    spec["disable_by_batch_size"] = batch
+                engine = engine_over(llm, speculative_config=spec, max_num_seqs=llm.engine.cfg.max_num_seqs)
+                proposer = OracleProposer(k, answers, acceptance, vocab)
+                timed(engine, proposer)
+                spec_s, got = timed(engine, proposer)
+                s = engine.stats()
+                r = {"batch": batch, "acceptance_asked": acceptance, "disable_by_batch_size": engine.spec.disable_by_batch_size,
+                     "plain_s": plain_s, "spec_s": spec_s, "speedup": plain_s / spec_s,
+                     "acceptance": s["spec_acceptance_rate"], "tokens_per_verification": s["spec_mean_accepted_length"],
+                     "same_tokens": got == answers}
+                out["e2e"].append(r)
+                print(f"batch {batch:3d} a={acceptance:.2f} limit={r['disable_by_batch_size']}: plain {plain_s:.3f} s, "
+                      f"spec {spec_s:.3f} s, {r['speedup']:.2f}x, acceptance {r['acceptance']:.2f}, "
+                      f"{r['tokens_per_verification']:.2f} tokens/verification, same tokens {r['same_tokens']}",
+                      flush=True)
+                del engine
+                free_memory()
+    if args.draft:  # random weights accept nothing: this times the draft's proposals against target steps
+        engine = engine_over(llm, speculative_config={"model": args.draft, "num_speculative_tokens": k},
+                             load_format="dummy")
+        propose, spent = engine.proposer.propose, []
+
+        def timed_propose(running):
+            sync()
+            t = time.perf_counter()
+            propose(running)
+            sync()
+            spent.append(time.perf_counter() - t)
+
+        engine.proposer.propose = timed_propose
+        prompt = torch.randint(100, vocab, (args.input_len,), generator=gen).tolist()
+        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        run_alone(engine, prompt, greedy)
+        spent.clear()
+        spec_s, _ = run_alone(engine, prompt, greedy)
+        s = engine.stats()
+        out["draft"] = {"draft": args.draft, "k": k, "propose_ms": statistics.median(spent) * 1e3,
+                        "decode_step_ms": base, "spec_ms_per_token": spec_s / args.max_tokens * 1e3,
+                        "acceptance": s["spec_acceptance_rate"]}
+        d = out["draft"]
+        print(f"draft {args.draft}, k={k}: proposing takes {d['propose_ms']:.2f} ms = "
+              f"{d['propose_ms'] / base:.2f} target decode steps ({d['propose_ms'] / k / base:.2f} per drafted token); "
+              f"at this (random) acceptance {d['acceptance']:.2f}: {d['spec_ms_per_token']:.2f} ms/token")
+    return out
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flashpage bench spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=["real", "mechanics"], nargs="?", default="real")
+    p.add_argument("--model", default=None, help="real: the default model; mechanics: llama-3-8b (dummy)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--k", type=int, default=4, help="mechanics: num_speculative_tokens")
+    p.add_argument("--acceptance", default="1,0.9,0.8,0.7,0.6,0.5,0.4,0.2,0")
+    p.add_argument("--batch-sizes", default="1,4,16,64")
+    p.add_argument("--draft", default=None, help="mechanics: a draft model preset (dummy weights), e.g. llama-3.2-1b")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.suite == "real":
+        from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
+
+        args.model = args.model or str(resolve_known_model(DEFAULT_MODEL))
+        args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
+            "cpu" if args.device == "auto" else args.device
+        results = real(args)
+    else:
+        args.model = args.model or "llama-3-8b"
+        results = mechanics(args)
+    results["date"] = time.strftime("%Y-%m-%d")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
