@@ -201,8 +201,8 @@ def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair):
     """Second tokens (the first that a verification draws) of many seeded requests, given the most common first
     token, against the target's own filtered distribution: the draft differs from the target on purpose."""
     target, draft = tiny_pair
-    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_seqs=512,
-                                    speculative_config={"model": draft, "num_speculative_tokens": 2}))
+    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_seqs=512, speculative_config={
+        "model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None}))  # (speculate at any batch)
     prompt = [5, 17, 99, 3]
     params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3, ignore_eos=True) for s in range(3000)]
     outs = [o.outputs[0].token_ids for o in run(engine, [prompt] * len(params), params)]
@@ -260,3 +260,51 @@ def test_speculation_stops_above_disable_by_batch_size():
     assert engine.stats()["spec_num_drafts"] == 0
     run(engine, [prompt] * 2, SamplingParams(temperature=0, max_tokens=10))
     assert engine.stats()["spec_num_drafts"] > 0
+
+
+def test_verify_steps_padded_for_a_cuda_graph_give_the_unpadded_logits():
+    """A verify graph runs every sequence as num_speculative_tokens + 1 tokens, padding in front and the batch to
+    the graph's size; here the padded inputs run eagerly (on CPU too) against the plain ones."""
+    from flashpage.engine.inputs import prepare_inputs
+    from flashpage.engine.step import SeqStep, StepPlan
+
+    engine = tiny_engine()
+    runner, bm = engine.runner, engine.bm
+    rng = random.Random(int(torch.randint(1 << 30, ())))
+    plan = StepPlan()
+    for seq_id, (cached, new) in enumerate([(40, 5), (3, 1), (17, 3), (2, 4), (33, 2)]):  # (2, 4): pads at < 0
+        bm.allocate_prefix(seq_id, [])
+        bm.append_slots(seq_id, cached + new)
+        prompt = [rng.randrange(512) for _ in range(cached)]
+        prefill = StepPlan()
+        prefill.add(SeqStep(seq_id, prompt, list(range(cached)), bm.table(seq_id)))
+        inputs = prepare_inputs(prefill, bm.block_size, runner.device)
+        runner.model(inputs.ids, inputs.meta, runner.kv_caches)
+        plan.add(SeqStep(seq_id, [rng.randrange(512) for _ in range(new)], list(range(cached, cached + new)),
+                         bm.table(seq_id), num_logits=new))
+
+    def logits(inputs):
+        hidden = runner.model(inputs.ids, inputs.meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden)[inputs.logits_index]
+
+    want = logits(prepare_inputs(plan, bm.block_size, runner.device))
+    got = logits(prepare_inputs(plan, bm.block_size, runner.device, rows=8, q_len=5))
+    assert want.shape == (plan.num_logits, 512)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_cuda_graph_verify_steps_equal_eager():
+    """As test_engine's decode check: weights scaled until greedy margins dwarf rounding differences."""
+    prompts = [[(7 * i + j) % 500 for j in range(n)] * 3 for i, n in enumerate(range(3, 20))]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    outs = []
+    for eager in (True, False):
+        engine = tiny_engine(device="cuda", enforce_eager=eager, speculative_config=NGRAM)
+        with torch.no_grad():
+            for p in engine.runner.model.parameters():
+                p.mul_(6)
+        outs.append([o.outputs[0].token_ids for o in run(engine, prompts, params)])
+        assert engine.stats()["spec_num_accepted_tokens"] > 0
+    assert any(q > 1 for _, q in engine.runner.graphs)
+    assert outs[0] == outs[1]

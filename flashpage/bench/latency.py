@@ -141,8 +141,8 @@ def decode_breakdown(runner, batch: int) -> dict:
     its inputs) and, from the profiler, the durations of its kernels by kind and the time at least one kernel runs
     (kernels overlap: the split merge is launched early and waits on the GPU for its attention kernel). The
     replay time less that is the time the GPU spends between kernels."""
-    size = next(b for b in runner.graphs if b >= batch)
-    graph = runner.graphs[size][0]
+    size = next(b for b, q in runner.graphs if q == 1 and b >= batch)
+    graph = runner.graphs[(size, 1)][0]
     replay_ms = median_ms(graph.replay, graph=False)
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile

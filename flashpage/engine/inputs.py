@@ -1,7 +1,8 @@
 """A StepPlan as the flat device tensors a forward pass reads: token ids, positions, cache slots and the
 AttentionMetadata, built on the host and uploaded in one asynchronous copy.
 
-`rows` pads the batch to a captured CUDA graph's size: padding rows have no keys and write no cache slot.
+For a captured CUDA graph, the batch is padded to the graph's size (padding sequences have no keys and write no
+cache slot), and in a verify step every sequence's tokens to the graph's query length.
 """
 
 from __future__ import annotations
@@ -29,31 +30,38 @@ class StepInputs:
     from_last_step: torch.Tensor  # [2 * k] int64: pairs (row of ids, row of the last step's sampled tokens)
 
 
-def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: int | None = None) -> StepInputs:
+def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: int | None = None,
+                   q_len: int | None = None) -> StepInputs:
+    """`rows` pads the batch to that many sequences; `q_len` pads every sequence's tokens to that many (a verify
+    step's CUDA graph). Padding goes in front: padding tokens take the positions just before the sequence's own
+    (whose keys are in the cache, so they never read an unwritten slot), write no slot and give no logits."""
     seqs = plan.seqs
     rows = rows or len(seqs)
     tokens, positions, slots, cu, seq_lens, logits_index, deferred = [], [], [], [0], [], [], []
     for s in seqs:
+        n = len(s.token_ids)
+        pad = q_len - n if q_len else 0
         if s.last_token_from_row is not None:
-            deferred += [len(tokens) + len(s.token_ids) - 1, s.last_token_from_row]
-        tokens += s.token_ids
-        positions += s.positions
-        slots += [slot(s.block_table, p, block_size) for p in s.positions]
-        cu.append(cu[-1] + len(s.token_ids))
+            deferred += [len(tokens) + pad + n - 1, s.last_token_from_row]
+        tokens += [0] * pad + s.token_ids
+        positions += [max(0, s.positions[0] - pad + i) for i in range(pad)] + s.positions
+        slots += [-1] * pad + [slot(s.block_table, p, block_size) for p in s.positions]
+        cu.append(cu[-1] + n + pad)
         seq_lens.append(s.positions[-1] + 1)
         logits_index += range(cu[-1] - s.num_logits, cu[-1])
     padding = rows - len(seqs)
-    tokens += [0] * padding
-    positions += [0] * padding
-    slots += [-1] * padding
+    per_row = q_len or 1
+    tokens += [0] * (padding * per_row)
+    positions += [0] * (padding * per_row)
+    slots += [-1] * (padding * per_row)
     seq_lens += [0] * padding
-    cu += range(cu[-1] + 1, cu[-1] + 1 + padding)
+    cu += range(cu[-1] + per_row, cu[-1] + per_row * (padding + 1), per_row)
     width = max(len(s.block_table) for s in seqs)
     table = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))] + [0] * (padding * width)
     n = len(tokens)
     packed = upload(tokens + positions + slots + seq_lens + cu + table + deferred, torch.int64, device)
     ids, positions_t, slots_t, lens_t, cu_t, table_t, deferred_t = packed.split(
         [n, n, n, rows, rows + 1, rows * width, len(deferred)])
-    meta = AttentionMetadata(cu_t.int(), lens_t.int(), max(len(s.token_ids) for s in seqs), positions_t, slots_t,
-                             table_t.int().view(rows, width))
+    meta = AttentionMetadata(cu_t.int(), lens_t.int(), q_len or max(len(s.token_ids) for s in seqs), positions_t,
+                             slots_t, table_t.int().view(rows, width))
     return StepInputs(ids, meta, logits_index, deferred_t)

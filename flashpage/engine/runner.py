@@ -4,7 +4,9 @@ block copies, inputs, forward pass, logits, prompt log-probs, sampling, and the 
 Nothing here waits for the GPU except `StepFuture.result()`, the one read-back per step. A token the previous
 step is still sampling is read on the device from that step's sampled tokens (the plan names the row), so the
 host can prepare step N+1 while the GPU runs step N. Decode steps (one new token per sequence) replay a CUDA
-graph captured for the next batch size up the ladder; prefill and mixed steps run eagerly.
+graph captured for the next batch size up the ladder, and so do verify steps of speculative decoding (each
+sequence's last token and its proposals, padded to num_speculative_tokens + 1); prefill and mixed steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -123,9 +125,15 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # batch size -> (graph, logits)
+        # (batch size, tokens per sequence) -> (graph, logits)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        spec = cfg.speculative
+        self.verify_len = spec.num_speculative_tokens + 1 if spec else 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
-            self._capture_graphs(graph_batch_sizes(cfg.max_num_seqs), -(-self.cfg.max_model_len // self.block_size))
+            sizes = graph_batch_sizes(cfg.max_num_seqs)
+            # verify steps only run at batch sizes where speculation is on
+            verify_sizes = [b for b in sizes if b <= (spec.disable_by_batch_size or b)] if spec else []
+            self._capture_graphs(sizes, verify_sizes, -(-self.cfg.max_model_len // self.block_size))
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
@@ -151,23 +159,25 @@ class ModelRunner:
                 cache.k[dst] = cache.k[src]
                 cache.v[dst] = cache.v[src]
         seqs = plan.seqs
-        decode = all(len(s.token_ids) == 1 and s.num_logits == 1 and s.prompt_logprobs is None for s in seqs)
-        graph_size = next((b for b in self.graphs if b >= len(seqs)), None) if decode else None
-        inputs = prepare_inputs(plan, self.block_size, dev, graph_size)
+        graph_key = self._graph_for(seqs)
+        inputs = prepare_inputs(plan, self.block_size, dev, *graph_key) if graph_key else \
+            prepare_inputs(plan, self.block_size, dev)
         ids, meta = inputs.ids, inputs.meta
         if inputs.from_last_step.numel():
             ids[inputs.from_last_step[0::2]] = self.last_sampled[inputs.from_last_step[1::2]]
         prompt = {}
-        if graph_size:
-            graph, logits = self.graphs[graph_size]
-            st, rows = self.static, graph_size
-            st["ids"][:rows].copy_(ids)
-            st["positions"][:rows].copy_(meta.positions)
-            st["slots"][:rows].copy_(meta.slot_mapping)
-            st["seq_lens"][:rows].copy_(meta.seq_lens_k)
-            st["block_table"][:rows, :meta.block_table.shape[1]].copy_(meta.block_table)
+        if graph_key:
+            graph, logits = self.graphs[graph_key]
+            st, size, tokens = self.static, graph_key[0], ids.shape[0]
+            st["ids"][:tokens].copy_(ids)
+            st["positions"][:tokens].copy_(meta.positions)
+            st["slots"][:tokens].copy_(meta.slot_mapping)
+            st["seq_lens"][:size].copy_(meta.seq_lens_k)
+            st["block_table"][:size, :meta.block_table.shape[1]].copy_(meta.block_table)
             graph.replay()
-            logits = logits[:len(seqs)]
+            rows = inputs.logits_index
+            logits = logits[:len(rows)] if rows == list(range(len(rows))) else \
+                logits.index_select(0, upload(rows, torch.int64, dev))
         else:
             hidden = self.model(ids, meta, self.kv_caches)
             # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory,
@@ -205,29 +215,45 @@ class ModelRunner:
         return chosen, rank, ids, values
 
     # ----- CUDA graphs ----------------------------------------------------------------------------
-    def _capture_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> None:
-        start, dev, top = time.perf_counter(), self.device, max(sizes)
+    def _graph_for(self, seqs) -> tuple[int, int] | None:
+        """The captured graph (batch size, tokens per sequence) that runs these sequences, if any: a decode step
+        (one token each), or a verify step (each a last token and its proposals, every token giving logits)."""
+        if not self.graphs or any(s.prompt_logprobs is not None or s.num_logits != len(s.token_ids) for s in seqs):
+            return None
+        q = 1 if all(len(s.token_ids) == 1 for s in seqs) else self.verify_len
+        if any(len(s.token_ids) > q for s in seqs):
+            return None
+        return next(((b, q_) for b, q_ in self.graphs if q_ == q and b >= len(seqs)), None)
+
+    def _capture_graphs(self, sizes: list[int], verify_sizes: list[int], max_blocks_per_seq: int) -> None:
+        """Decode graphs for `sizes`, and verify graphs (self.verify_len tokens per sequence) for `verify_sizes`."""
+        start, dev, q = time.perf_counter(), self.device, self.verify_len
+        keys = [(b, 1) for b in sizes] + [(b, q) for b in verify_sizes]
+        top = max(b for b, _ in keys)
+        tokens = max(b * q_ for b, q_ in keys)
         self.static = st = {
-            "ids": torch.zeros(top, dtype=torch.int64, device=dev),
-            "positions": torch.zeros(top, dtype=torch.int64, device=dev),
-            "slots": torch.full((top,), -1, dtype=torch.int64, device=dev),
+            "ids": torch.zeros(tokens, dtype=torch.int64, device=dev),
+            "positions": torch.zeros(tokens, dtype=torch.int64, device=dev),
+            "slots": torch.full((tokens,), -1, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(top, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=dev),
-            "cu": torch.arange(top + 1, dtype=torch.int32, device=dev),
+            # cu_seqlens for each query length (a graph keeps the addresses it was captured with, not the tensors)
+            **{f"cu{q_}": torch.arange(0, (top + 1) * q_, q_, dtype=torch.int32, device=dev) for _, q_ in keys},
         }
         pool = None
         with torch.inference_mode():
-            for size in tqdm(sorted(sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
-                meta = AttentionMetadata(st["cu"][:size + 1], st["seq_lens"][:size], 1, st["positions"][:size],
-                                         st["slots"][:size], st["block_table"][:size])
-                run = lambda: self.model.compute_logits(self.model(st["ids"][:size], meta, self.kv_caches))  # noqa: E731
+            for size, q_ in tqdm(sorted(keys, key=lambda k: -k[0] * k[1]), desc="Capturing CUDA graphs", leave=False):
+                n = size * q_
+                meta = AttentionMetadata(st[f"cu{q_}"][:size + 1], st["seq_lens"][:size], q_, st["positions"][:n],
+                                         st["slots"][:n], st["block_table"][:size])
+                run = lambda: self.model.compute_logits(self.model(st["ids"][:n], meta, self.kv_caches))  # noqa: E731
                 run()  # compiles the Triton kernels for this shape outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = run()
                 pool = graph.pool()
-                self.graphs[size] = (graph, logits)
+                self.graphs[(size, q_)] = (graph, logits)
         self.graphs = dict(sorted(self.graphs.items()))
-        log.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s", len(sizes), min(sizes), top,
-                 time.perf_counter() - start)
+        log.info("captured %d CUDA graphs (decode batches %d..%d, verify batches up to %d) in %.1f s", len(keys),
+                 min(sizes), max(sizes), max(verify_sizes, default=0), time.perf_counter() - start)
