@@ -45,6 +45,19 @@ def test_bad_speculative_config_is_one_clear_error(bad, match):
         tiny_engine(speculative_config=bad)
 
 
+def test_a_draft_with_another_vocabulary_is_refused_before_anything_runs(tiny_checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import TINY
+
+    AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "vocab_size": 500})).save_pretrained(tmp_path)
+    target = str(tiny_checkpoints["llama3-rope-scaling"][0])
+    with pytest.raises(ParameterError, match="another vocabulary than the target") as e:
+        LLMEngine(EngineConfig(model=target, device="cpu", speculative_config={"model": str(tmp_path),
+                                                                               "num_speculative_tokens": 2}))
+    assert e.value.param == "speculative_config.model"
+
+
 def test_command_line_takes_speculative_config_as_json(capsys):
     import argparse
 

@@ -158,7 +158,7 @@ def mechanics(args) -> dict:
     cuda = args.device != "cpu"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("flashpage bench spec mechanics: needs a CUDA GPU (--device cpu: a dry run)")
-    out = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model, "dtype": args.dtype,
+    out = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model, "dtype": args.dtype, "k": args.k,
            "input_len": args.input_len, "output_len": args.max_tokens}
     max_len, top = args.input_len + args.max_tokens + 32, max(map(int, args.batch_sizes.split(",")))
     # every engine of this run gets a cache for its largest batch (they live one at a time beside the first)
@@ -299,10 +299,42 @@ def mechanics(args) -> dict:
 
 
 
+def plot(results: dict, path: Path) -> None:
+    """Speedup against acceptance at batch 1 (the mechanics' curve), where matplotlib is installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("(no plot: matplotlib is not installed)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((r for r in results["e2e"] if r["batch"] == 1), key=lambda r: r["acceptance"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["acceptance"] for r in rows], [r["speedup"] for r in rows], "o-",
+            label=f"k={results.get('k', 4)}, batch 1")
+    for b in sorted({r["batch"] for r in results["e2e"]} - {1}):
+        forced = {}  # speculation forced on: the first run of each acceptance asked for
+        for r in results["e2e"]:
+            if r["batch"] == b and r["disable_by_batch_size"] == b:
+                forced.setdefault(r["acceptance_asked"], r)
+        forced = sorted(forced.values(), key=lambda r: r["acceptance"])
+        ax.plot([r["acceptance"] for r in forced], [r["speedup"] for r in forced], ".--", label=f"batch {b}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("acceptance rate (proposed tokens kept)")
+    ax.set_ylabel("speedup over no speculation")
+    ax.set_title(f"{results['model']} {results.get('dtype', '')}, {results['gpu']}, {results['date']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["real", "mechanics"], nargs="?", default="real")
+    p.add_argument("suite", choices=["real", "mechanics", "plot"], nargs="?", default="real",
+                   help="plot: the curve of a mechanics JSON (--out) as a PNG beside it")
     p.add_argument("--model", default=None, help="real: the default model; mechanics: llama-3-8b (dummy)")
     p.add_argument("--device", default="auto")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
@@ -317,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default=None, help="mechanics: a draft model preset (dummy weights), e.g. llama-3.2-1b")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.suite == "plot":
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return 0
     if args.suite == "real":
         from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 
@@ -331,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
+        if args.suite == "mechanics":
+            plot(results, args.out.with_suffix(".png"))
     return 0
 
 
