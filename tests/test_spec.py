@@ -266,6 +266,22 @@ def test_no_block_leaks_after_aborts_mid_speculation(tiny_pair):
     assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks and not engine.proposer.computed
 
 
+def test_acceptance_counters_reach_prometheus():
+    from prometheus_client import generate_latest
+
+    from flashpage.server.metrics import Metrics
+
+    engine = tiny_engine(speculative_config=NGRAM)
+    run(engine, [[1, 2, 3, 1, 2, 3, 1, 2]], SamplingParams(temperature=0, max_tokens=12))
+    stats, metrics = engine.stats(), Metrics()
+    metrics.update_engine(stats)
+    text = generate_latest(metrics.registry).decode()
+    assert stats["spec_num_drafts"] > 0
+    assert f"vllm:spec_decode_num_accepted_tokens_total {float(stats['spec_num_accepted_tokens'])}" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} ' \
+           f'{float(stats["spec_accepted_per_position"][0])}' in text
+
+
 def test_speculation_stops_above_disable_by_batch_size():
     engine = tiny_engine(speculative_config={**NGRAM, "disable_by_batch_size": 2})
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]

@@ -194,7 +194,8 @@ class LLMEngine:
             # Penalties and bad words need every earlier token on the host before the next step samples; so do
             # proposals (and how many tokens a verification keeps decides the next step's positions).
             overlap = self.cfg.overlap and not speculate and not any(s.row.params.needs_history for s in plan.samples)
-            launched = InFlight(self.runner.step(plan, self.proposer and self.proposer.probs), overlap)
+            draft_probs = self.proposer.probs if self.proposer else None
+            launched = InFlight(self.runner.step(plan, draft_probs), overlap)
         outputs = self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
         if launched and not launched.overlap:
