@@ -23,7 +23,9 @@ def _setting(default, help: str, choices: tuple | None = None):
 
 @dataclass
 class EngineConfig:
-    model: str = _setting(DEFAULT_MODEL, "model directory, .gguf file, or known name")
+    model: str = _setting(DEFAULT_MODEL, "Hugging Face Hub id (org/name), model directory, .gguf file, or known name")
+    revision: str | None = _setting(None, "Hub model: the branch, tag or commit (default: main)")
+    gguf_file: str | None = _setting(None, "Hub model: the .gguf file of a GGUF repo to load")
     load_format: str = _setting("auto", "dummy: random weights of the model's shape", ("auto", "dummy"))
     dtype: str = _setting("auto", "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")

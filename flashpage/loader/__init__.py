@@ -11,6 +11,7 @@ from flashpage.config import ModelConfig
 from flashpage.loader.default_model import KNOWN_MODELS, resolve_known_model
 from flashpage.loader.gguf_file import GGUFModel
 from flashpage.loader.hf_dir import HFModelDir
+from flashpage.loader.hub import is_hub_id, resolve_hub_model
 from flashpage.loader.presets import PRESETS, preset_config
 from flashpage.model.llama import LlamaForCausalLM
 from flashpage.tokenizer import Tokenizer
@@ -37,11 +38,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def open_source(model: str, load_format: str = "auto"):
-    """The checkpoint behind a model spec: an HFModelDir, a GGUFModel, or None for a bare dummy preset."""
+def open_source(model: str, load_format: str = "auto", revision: str | None = None, gguf_file: str | None = None):
+    """The checkpoint behind a model spec: an HFModelDir, a GGUFModel, or None for a bare dummy preset. A Hub id
+    ("org/name", optionally a GGUF repo's `gguf_file`) is fetched into the Hugging Face cache first."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {', '.join(LOAD_FORMATS)}")
     path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(model):
+        path = resolve_hub_model(model, revision=revision, gguf_file=gguf_file, weights=load_format != "dummy")
+    elif revision or gguf_file:
+        raise ValueError(f"revision and gguf_file name a version or file of a Hugging Face Hub model ('org/name'), "
+                         f"not of {model!r}")
     if path.is_dir():
         return HFModelDir(path)
     if path.is_file():
@@ -53,7 +60,7 @@ def open_source(model: str, load_format: str = "auto"):
     if model in KNOWN_MODELS:
         return GGUFModel(resolve_known_model(model))
     if "/" in model or model.endswith(".gguf"):
-        raise ValueError(f"model path {model!r} does not exist")
+        raise ValueError(f"model path {model!r} does not exist (a Hugging Face Hub id is 'org/name')")
     raise ValueError(
         f"unknown model {model!r}: give a model directory, a .gguf file, or one of {', '.join(sorted(KNOWN_MODELS))}; "
         f"random weights of a preset shape ({', '.join(sorted(PRESETS))}) need load_format='dummy'"
@@ -81,12 +88,13 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
             p.normal_(0.0, std, generator=gen)
 
 
-def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="cpu", seed: int = 0) -> LoadedModel:
+def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="cpu", seed: int = 0,
+               revision: str | None = None, gguf_file: str | None = None) -> LoadedModel:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device='cpu'")
     torch_dtype = resolve_dtype(dtype, device)
-    source = open_source(model, load_format)
+    source = open_source(model, load_format, revision, gguf_file)
     config = preset_config(model) if source is None else source.config
     net = build_empty(config, torch_dtype, device)
     if load_format == "dummy":

@@ -47,7 +47,8 @@ class DraftProposer:
                                  f"another vocabulary than the target (sizes {draft.config.vocab_size} and "
                                  f"{target.config.vocab_size}); a draft must share the target's tokenizer")
         max_len = min(target.cfg.max_model_len, draft.config.max_position_embeddings)
-        draft_cfg = dataclasses.replace(target.cfg, model=spec.model, speculative_config=None, max_model_len=max_len,
+        draft_cfg = dataclasses.replace(target.cfg, model=spec.model, revision=None, gguf_file=None,
+                                        speculative_config=None, max_model_len=max_len,
                                         num_gpu_blocks=target.num_blocks, enable_prefix_caching=False)
         self.runner = ModelRunner(draft_cfg, draft)
         self.bm = BlockManager(target.num_blocks, cfg.block_size, enable_prefix_caching=False)
