@@ -12,7 +12,6 @@ import dataclasses
 import gc
 import itertools
 import random
-from itertools import groupby
 import time
 from dataclasses import dataclass, field
 
@@ -223,7 +222,7 @@ class LLMEngine:
             if seq_id in self.seqs:
                 self.seqs[seq_id].prompt_logprobs += [self._logprobs_entry(t) for t in tokens]
         now = time.time()
-        for seq_id, drawn in groupby(result.sampled, key=lambda t: t.seq_id):  # a sequence's tokens are adjacent
+        for seq_id, drawn in itertools.groupby(result.sampled, key=lambda t: t.seq_id):  # a sequence's tokens are adjacent
             seq = self.seqs.get(seq_id)
             if seq is None or seq.finished:
                 continue  # finished (or aborted) while this step ran: its tokens are dropped

@@ -7,9 +7,10 @@ it admits waiting sequences, reusing cached prompt blocks. The step goes to the 
 sequence whose last token it computes gets a sample row, and a PENDING token that the next step may already
 compute on (the runner reads it on the device).
 
-A decoding sequence with a speculative proposal (`seq.proposal`, made before the step) computes its last token
-and the proposed ones in one step, with a sample row after each; `accept` then keeps the verified part and gives
-the rest of the slots back. Proposals are dropped, never preempting anyone, where budget or blocks run short.
+A decoding sequence with a speculative proposal (`seq.proposal`, made by the engine's proposer before each step)
+computes its last token and the proposed ones in one step, with a sample row after each; `accept` then keeps the
+verified part and gives the rest of the slots back. Proposals are cut, never preempting anyone, where budget or
+blocks run short.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             proposal = seq.proposal[:max(0, min(budget - n, seq.room(self.max_model_len) - 1))] \
                 if n == seq.num_uncomputed and not seq.num_pending else []
-            rows, seq.proposal, seq.proposal_rows = seq.proposal_rows, [], None
             if self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > self.bm.num_free_blocks:
                 proposal = []
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
@@ -65,7 +65,7 @@ class Scheduler:
                     break
             if seq.status != RUNNING:
                 break  # it was the newest: everything after it is preempted too
-            forked = self._schedule(seq, n, out, proposal, rows)
+            forked = self._schedule(seq, n, out, proposal, seq.proposal_rows)
             budget -= n + len(proposal)
             i += 1 + forked  # samples forked off it now are computed from the next step on
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -110,11 +110,12 @@ class Scheduler:
         row = plan.add(step)
         if m:  # a row after the last token and after each proposed one; the first is the PENDING token
             seq.verifying = list(proposal)
-            plan.samples += [SampleSpec(seq.seq_id, row + i, seq.sample_row(proposal[:i])) for i in range(m + 1)]
+            specs = [SampleSpec(seq.seq_id, row + i, seq.sample_row(proposal[:i])) for i in range(m + 1)]
             if draft_rows is not None:  # drawn from a draft model's distribution: the rejection sampler checks them
-                for i in range(m):
-                    plan.samples[i - m - 1].draft_token, plan.samples[i - m - 1].draft_row = proposal[i], draft_rows[i]
-            self._expect_token(seq, len(plan.samples) - m - 1)
+                for spec, token, q_row in zip(specs, proposal, draft_rows):
+                    spec.draft_token, spec.draft_row = token, q_row
+            self._expect_token(seq, len(plan.samples))
+            plan.samples += specs
         elif step.num_logits:
             for s in [seq, *seq.forks]:
                 if s is not seq:
