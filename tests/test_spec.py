@@ -216,8 +216,10 @@ def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair):
     target, draft = tiny_pair
     engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_seqs=512, speculative_config={
         "model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None}))  # (speculate at any batch)
-    prompt = [5, 17, 99, 3]
-    params = [SamplingParams(temperature=1.0, top_k=6, seed=s, max_tokens=3, ignore_eos=True) for s in range(3000)]
+    rng = random.Random(int(torch.randint(1 << 30, ())))
+    prompt, first_seed = [rng.randrange(384) for _ in range(4)], rng.randrange(1 << 40)
+    params = [SamplingParams(temperature=1.0, top_k=6, seed=first_seed + s, max_tokens=3, ignore_eos=True)
+              for s in range(3000)]
     outs = [o.outputs[0].token_ids for o in run(engine, [prompt] * len(params), params)]
     assert engine.stats()["spec_num_drafts"] > 0
     first = max(set(t[0] for t in outs), key=[t[0] for t in outs].count)
