@@ -132,7 +132,7 @@ def real(args) -> dict:
 
 
 class OracleProposer:
-    """Proposes each request's known greedy answer, each token replaced by a wrong one with probability 1 - a
+    """Proposes each request's known answer, each token replaced by a wrong one with probability 1 - a
     (bench only: acceptance on demand)."""
     probs = None
 
