@@ -339,3 +339,17 @@ def test_cuda_graph_verify_steps_equal_eager():
         assert engine.stats()["spec_num_accepted_tokens"] > 0
     assert any(q > 1 for _, q in engine.runner.graphs)
     assert outs[0] == outs[1]
+
+
+def test_beam_search_gives_the_same_beams_with_speculation_on(tiny_checkpoints):
+    from flashpage import LLM, BeamSearchParams
+
+    path = str(tiny_checkpoints["llama-linear-rope"][0])
+    rng = random.Random(int(torch.randint(1 << 30, ())))
+    prompts = [[rng.randrange(384) for _ in range(n)] * 2 for n in (3, 11)]
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    plain = LLM(path, device="cpu").beam_search(prompts, params, use_tqdm=False)
+    llm = LLM(path, device="cpu", speculative_config=NGRAM)
+    spec = llm.beam_search(prompts, params, use_tqdm=False)
+    assert [[s.tokens for s in o.sequences] for o in spec] == [[s.tokens for s in o.sequences] for o in plain]
+    assert llm.stats()["kv_slots_allocated"] == 0
