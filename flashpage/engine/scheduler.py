@@ -54,7 +54,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget)
             proposal = seq.proposal[:max(0, min(budget - n, seq.room(self.max_model_len) - 1))] \
-                if n == seq.num_uncomputed and not seq.num_pending else []
+                if seq.proposal and n == seq.num_uncomputed and not seq.num_pending else []
             if self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > self.bm.num_free_blocks:
                 proposal = []
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
