@@ -3,9 +3,47 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from flashpage.errors import ParameterError
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language: set exactly one of these (vLLM's names)."""
+    json: str | dict | None = None  # a JSON schema (as a dict or its text)
+    regex: str | None = None  # a regular expression (Rust regex syntax) the whole output matches
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a context-free grammar, in Lark or GBNF (llama.cpp) syntax
+    json_object: bool | None = None  # any JSON object
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens (default: any whitespace)
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self):
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ParameterError("structured_outputs", "structured outputs take exactly one of json, regex, choice, "
+                                 f"grammar or json_object, got {', '.join(kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParameterError("structured_outputs", "structured_outputs.json must be a JSON schema (a dict or a string)")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise ParameterError("structured_outputs", f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ParameterError("structured_outputs", "structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True):
+            raise ParameterError("structured_outputs", "structured_outputs.json_object must be true")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ParameterError("structured_outputs", "structured_outputs.disable_any_whitespace must be true or false")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 @dataclass
@@ -33,6 +71,8 @@ class SamplingParams:
     # wherever the tokens before it were just generated)
     allowed_token_ids: list[int] | None = None  # sample only among these
     logit_bias: dict[int, float] | None = None  # added to the logits of these tokens, in [-100, 100]
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a JSON schema, regex, choice or grammar
+    guided_decoding: StructuredOutputsParams | dict | None = None  # vLLM's older name for structured_outputs
 
     def __post_init__(self):
         def bad(name, why):
@@ -105,6 +145,17 @@ class SamplingParams:
             if not all(t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in bias.items()):
                 bad("logit_bias", "must map token ids to finite biases in [-100, 100]")
             self.logit_bias = bias
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                bad("guided_decoding", "is the older name of structured_outputs: set one of them")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - {f.name for f in fields(StructuredOutputsParams)}
+            if unknown:
+                bad("structured_outputs", f"has unknown keys {sorted(unknown)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
 
     @property
     def greedy(self) -> bool:
@@ -117,11 +168,12 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Sampling reads the tokens generated so far on the host (so no step may run ahead of them)."""
-        return self.uses_penalties or bool(self.bad_words)
+        return self.uses_penalties or bool(self.bad_words) or self.structured_outputs is not None
 
     @property
     def changes_logits(self) -> bool:
-        return self.uses_penalties or self.allowed_token_ids is not None or bool(self.logit_bias)
+        return self.uses_penalties or self.allowed_token_ids is not None or bool(self.logit_bias) \
+            or self.structured_outputs is not None
 
 
 @dataclass

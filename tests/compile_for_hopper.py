@@ -87,8 +87,8 @@ def main() -> None:
         tri.paged_attention(q[:2], KVCache(cache, cache), torch.arange(8, dtype=torch.int32).view(2, 4),
                             torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([50, 33], dtype=torch.int32), 1,
                             num_splits=splits)
-    # sampling (float32 logits), with and without the top-k / top-p search and draft tokens to verify, and the
-    # penalties
+    # sampling (float32 logits), with and without the top-k / top-p search and draft tokens to verify, the
+    # penalties and a grammar's token mask
     logits = torch.randn(3, 1000)
     full = lambda v, dt: torch.full((3,), v, dtype=dt)  # noqa: E731
     args = (full(0.8, torch.float32), full(50, torch.int32), full(0.9, torch.float32), full(0.05, torch.float32),
@@ -99,6 +99,7 @@ def main() -> None:
                    draft_probs=torch.rand(3, 1000))
     tri.apply_penalties(logits, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5, 9]),
                         torch.tensor([1, 0], dtype=torch.int32), *(full(1.1, torch.float32) for _ in range(3)))
+    tri.apply_token_bitmask(logits, torch.full((3, 32), -1, dtype=torch.int32))
     print("all kernels compiled for sm_90")
 
 

@@ -122,6 +122,27 @@ def test_penalties():
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [1, 31, 33, 5000])
+def test_token_bitmask(vocab):
+    """Bit t % 32 of word t // 32 allows token t; the definition token by token, over random masks and rows left
+    all-allowed (-1)."""
+    logits = rand(4, vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), dtype=torch.int32, device=DEVICE)
+    bitmask[2] = -1
+    want = logits.clone()
+    for r in range(4):
+        for t in range(vocab):
+            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    assert want[2].isfinite().all() and (vocab < 100 or not want.isfinite().all())
+    for ops in (tri, ref):
+        got = logits.clone()
+        ops.apply_token_bitmask(got, bitmask)
+        assert torch.equal(got, want)
+    tri.apply_token_bitmask(logits[:0], bitmask[:0])
+
+
 def sampling_args(batch, temperature=1.0, top_k=None, top_p=1.0, min_p=0.0, vocab=None, seed=0):
     full = lambda v, dt: torch.full((batch,), v, dtype=dt, device=DEVICE)  # noqa: E731
     seeds = torch.arange(batch, dtype=torch.int64, device=DEVICE) * 7919 + seed

@@ -399,7 +399,7 @@ def test_completions_echo_logprobs_offsets_usage_and_unserved_fields(served, smo
     with_prompt_lp = post({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}).json()
     entries = with_prompt_lp["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and entries[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]].logprob, abs=1e-5)
-    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("response_format", {"type": "json_object"})]:
+    for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("suffix", "!")]:
         r = post({"prompt": prompt, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert httpx.get(url + "/version").json()["version"]

@@ -22,6 +22,7 @@ from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec import SpecStats, make_proposer
 from flashpage.engine.spec.draft import draft_bytes_per_block, load_draft
 from flashpage.engine.step import SampledToken
+from flashpage.engine.structured import StructuredOutputs
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
 from flashpage.loader import LoadedModel
@@ -69,6 +70,7 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}  # log-probs' decoded tokens
         self.proposer = make_proposer(self.spec, cfg, self.runner, draft) if self.spec else None
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
+        self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
         # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
         # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
         gc.collect()
@@ -108,6 +110,8 @@ class LLMEngine:
                 raise ParameterError(name, f"{name} holds token ids outside the vocabulary [0, {vocab})")
         if params.bad_words and self.tokenizer is None:
             raise ParameterError("bad_words", "bad_words need a tokenizer, and this model has none")
+        if params.structured_outputs is not None:
+            self.structured.matcher(params.structured_outputs)  # compiles (cached), or names what is wrong
         longest = limit if params.max_tokens is None else n + params.max_tokens
         need = -(-longest // self.cfg.block_size)
         if need > self.bm.num_blocks:
@@ -122,6 +126,10 @@ class LLMEngine:
         req = Request(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(time.time()))
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         req.seqs = [self._new_sequence(req, index, seed) for index in range(params.n)]
+        if params.structured_outputs is not None:
+            grammar = self.structured.matcher(params.structured_outputs)
+            for seq in req.seqs:
+                seq.grammar = grammar if seq.index == 0 else grammar.deep_copy()
         req.seqs[0].forks = req.seqs[1:]  # forked off the first once its prompt is computed, sharing its blocks
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
@@ -194,13 +202,23 @@ class LLMEngine:
             # proposals (and how many tokens a verification keeps decides the next step's positions).
             overlap = self.cfg.overlap and not speculate and not any(s.row.params.needs_history for s in plan.samples)
             draft_probs = self.proposer.probs if self.proposer else None
-            launched = InFlight(self.runner.step(plan, draft_probs), overlap)
+            launched = InFlight(self.runner.step(plan, draft_probs, self._token_bitmask(plan)), overlap)
         outputs = self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
         if launched and not launched.overlap:
             outputs += self._read_back(launched)
             self.in_flight = None
         return outputs
+
+    def _token_bitmask(self, plan):
+        """The grammar masks of the plan's constrained samples, as a function the runner calls once the forward
+        pass is launched (so the host fills them while the device computes); None where nothing is constrained."""
+        seqs = {spec.seq_id: self.seqs[spec.seq_id] for spec in plan.samples}
+        constrained = {i: s for i, s in seqs.items() if s.grammar is not None}
+        if not constrained:
+            return None
+        return lambda: self.structured.bitmask(plan.samples, {i: s.grammar for i, s in constrained.items()},
+                                               {i: s.verifying for i, s in constrained.items()})
 
     def _propose(self) -> bool:
         """Proposals for the decoding sequences whose tokens are all known, unless the batch is too large for
@@ -213,6 +231,9 @@ class LLMEngine:
         if len(running) > (self.spec.disable_by_batch_size or len(running)):
             return False
         self.proposer.propose(running)
+        for seq in running:  # only what the grammar allows can be kept: the rest is cut before it is computed
+            if seq.grammar is not None and seq.proposal:
+                seq.proposal = seq.proposal[:seq.grammar.validate_tokens(seq.proposal)]
         return True
 
     def _read_back(self, step: InFlight) -> list[RequestOutput]:
@@ -266,6 +287,8 @@ class LLMEngine:
         elif p.stop and (hit := _first_stop(seq.text, p.stop)) is not None:
             seq.text = seq.text[:hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)]
             self._finish(seq, "stop", hit[1])
+        elif seq.grammar is not None and (not seq.grammar.consume_token(token) or seq.grammar.is_stopped()):
+            self._finish(seq, "stop", None)  # the grammar is complete (its mask allowed nothing else to be drawn)
         elif seq.ends_at(pos + 1, self.cfg.max_model_len):
             self._finish(seq, "length", None)
         if seq.finished:  # drop tokens launched after this one

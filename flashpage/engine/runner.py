@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -150,8 +151,11 @@ class ModelRunner:
 
     # ----- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, plan: StepPlan, draft_probs: torch.Tensor | None = None) -> StepFuture:
-        """Run one plan; `draft_probs` holds the rows its samples' `draft_row`s name (a draft model's proposals)."""
+    def step(self, plan: StepPlan, draft_probs: torch.Tensor | None = None,
+             token_bitmask: Callable[[], torch.Tensor | None] | None = None) -> StepFuture:
+        """Run one plan; `draft_probs` holds the rows its samples' `draft_row`s name (a draft model's proposals).
+        `token_bitmask`, called once the forward pass is launched, gives the samples' grammar masks (host int32
+        [samples, ceil(V / 32)], -1 for free rows), or None."""
         dev = self.device
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
@@ -201,7 +205,11 @@ class ModelRunner:
             draft_tokens = upload([spec.draft_token for spec in plan.samples], torch.int64, dev)
             draft_probs = draft_probs.index_select(0, upload([max(spec.draft_row, 0) for spec in plan.samples],
                                                              torch.int64, dev))
-        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs)
+        bitmask = token_bitmask() if token_bitmask else None
+        if bitmask is not None:
+            bitmask = bitmask.to(dev, non_blocking=True)
+        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs,
+                              bitmask)
         self.last_sampled = sampled.tokens
         return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda")
 

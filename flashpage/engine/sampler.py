@@ -26,9 +26,11 @@ class Sampled:
 
 
 def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: torch.Tensor | None = None,
-                draft_probs: torch.Tensor | None = None) -> Sampled:
+                draft_probs: torch.Tensor | None = None, bitmask: torch.Tensor | None = None) -> Sampled:
     """logits [B, V] float32 (modified in place), one row per SampleRow. Rows with a draft token (>= 0 in
-    draft_tokens [B], drawn from that row of draft_probs [B, V]) verify it with the rejection sampler."""
+    draft_tokens [B], drawn from that row of draft_probs [B, V]) verify it with the rejection sampler. bitmask
+    [B, ceil(V / 32)] int32 on the device: the grammar masks of constrained rows (bit t % 32 of word t // 32 allows
+    token t)."""
     dev, vocab = logits.device, logits.shape[-1]
     masked = [(i, t) for i, r in enumerate(rows) for t in r.blocked]
     params = [r.params for r in rows]
@@ -40,6 +42,8 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: 
     raw_logprobs = torch.log_softmax(logits, dim=-1) if changed or ranked else None
     _restrict(logits, rows)
     _penalise(ops, logits, rows)
+    if bitmask is not None:
+        ops.apply_token_bitmask(logits, bitmask)
     if masked:
         logits[upload([i for i, _ in masked], torch.int64, dev), upload([t for _, t in masked], torch.int64, dev)] = float("-inf")
     if all(p.greedy for p in params):

@@ -40,6 +40,7 @@ class Sequence:
     proposal: list[int] = field(default_factory=list)  # speculative tokens proposed for its next step
     proposal_rows: list[int] | None = None  # their rows of the draft model's probabilities (None: prompt lookup)
     verifying: list[int] = field(default_factory=list)  # the proposal its step in flight verifies
+    grammar: object | None = None  # its structured-output matcher (llguidance.LLMatcher): fed every token it keeps
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -147,3 +147,11 @@ def apply_penalties(logits, rows, tokens, counts, repetition, presence, frequenc
     x = torch.where(x > 0, x / rep, x * rep)
     x = x - presence[rows] * (counts > 0) - frequency[rows] * counts
     logits[rows, tokens.long()] = x
+
+
+def apply_token_bitmask(logits, bitmask):
+    """In place: -inf wherever bit (t % 32) of bitmask[row, t // 32] is 0. bitmask [B, ceil(V / 32)] int32."""
+    vocab = logits.shape[-1]
+    t = torch.arange(vocab, device=logits.device)
+    allowed = (bitmask[:, t // 32] >> (t % 32).to(torch.int32)) & 1
+    logits.masked_fill_(allowed == 0, float("-inf"))

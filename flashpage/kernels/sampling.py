@@ -318,3 +318,21 @@ def apply_penalties(logits, rows, tokens, counts, repetition, presence, frequenc
     if n:
         _penalty_kernel[(triton.cdiv(n, 1024),)](logits, rows, tokens, counts, repetition, presence, frequency,
                                                   logits.stride(0), n, BLOCK=1024)
+
+
+@triton.jit
+def _bitmask_kernel(Logits, Bitmask, stride_l, stride_b, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.load(Bitmask + row * stride_b + t // 32, mask=t < vocab, other=-1)
+    banned = ((words >> (t % 32)) & 1) == 0
+    tl.store(Logits + row * stride_l + t, tl.full((BLOCK,), float("-inf"), tl.float32), mask=banned & (t < vocab))
+
+
+def apply_token_bitmask(logits, bitmask) -> None:
+    """In place: -inf wherever bit (t % 32) of bitmask[row, t // 32] is 0 (a grammar's token mask; bitmask
+    [B, ceil(V / 32)] int32, -1 = every token allowed)."""
+    batch, vocab = logits.shape
+    if batch:
+        _bitmask_kernel[(batch, triton.cdiv(vocab, 4096))](logits, bitmask, logits.stride(0), bitmask.stride(0), vocab,
+                                                           BLOCK=4096)

@@ -9,10 +9,10 @@ from flashpage.kernels.linear import MAX_ROWS, skinny_linear
 from flashpage.kernels.norm import rms_norm
 from flashpage.kernels.reference import composed_linear
 from flashpage.kernels.rotary import rope_and_cache
-from flashpage.kernels.sampling import apply_penalties, sample
+from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, sample
 
-__all__ = ["apply_penalties", "flash_attn_varlen", "linear", "paged_attention", "reshape_and_cache", "rms_norm",
-           "rope_and_cache", "sample", "silu_and_mul"]
+__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "linear", "paged_attention",
+           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul"]
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None):

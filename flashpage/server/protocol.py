@@ -6,14 +6,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flashpage.sampling_params import SamplingParams
+from flashpage.errors import ParameterError
+from flashpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 # OpenAI and vLLM request fields flashpage does not serve: a request that sets one gets a 400 naming it, instead of
 # an answer that silently ignores it. Other unknown fields (user, metadata, ...) change nothing and are ignored.
-UNSERVED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format", "suffix",
-            "best_of", "use_beam_search", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-            "structured_outputs", "audio", "modalities", "prediction", "lora_request", "priority")
+UNSERVED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "suffix", "best_of",
+            "use_beam_search", "audio", "modalities", "prediction", "lora_request", "priority")
 
 
 class StreamOptions(BaseModel):
@@ -48,6 +48,13 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unserved(self) -> list[str]:
         """UNSERVED fields the request sets (to a value other than an empty one)."""
@@ -66,7 +73,40 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens, bad_words=self.bad_words or [],
             allowed_token_ids=self.allowed_token_ids, logit_bias=self.logit_bias,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        given = {name: value for name, value in (
+            ("response_format", self._response_format()), ("structured_outputs", self.structured_outputs),
+            ("guided_json", self.guided_json and {"json": self.guided_json}),
+            ("guided_regex", self.guided_regex and {"regex": self.guided_regex}),
+            ("guided_choice", self.guided_choice and {"choice": self.guided_choice}),
+            ("guided_grammar", self.guided_grammar and {"grammar": self.guided_grammar})) if value}
+        if len(given) > 1:
+            raise ParameterError(next(iter(given)), f"set one structured-output field, not {', '.join(given)}")
+        for name, value in given.items():
+            unknown = set(value) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ParameterError(name, f"{name} has unknown keys {sorted(unknown)}")
+            return StructuredOutputsParams(**value)
+        return None
+
+    def _response_format(self) -> dict | None:
+        """OpenAI's response_format as a structured-output constraint."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ParameterError("response_format", "response_format json_schema needs json_schema.schema, a JSON "
+                                     "schema object")
+            return {"json": schema}
+        raise ParameterError("response_format", f"response_format type {fmt.get('type')!r} is not supported (text, "
+                             "json_object, json_schema)")
 
 
 class CompletionRequest(_SamplingFields):
