@@ -47,10 +47,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting requests beyond this get 503")
     serve.add_argument("--shutdown-timeout", type=float, default=5.0,
                        help="on SIGTERM, seconds running requests may still run before they are aborted (default 5)")
-    bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput (CUDA GPU); serve (a running "
-                                         "server); cpu (flashpage vs transformers on this CPU); spec (speculative "
-                                         "decoding against none)")
-    bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve", "cpu", "spec"])
+    bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput, deterministic (CUDA GPU); "
+                                         "serve (a running server); cpu (flashpage vs transformers on this CPU); spec "
+                                         "(speculative decoding against none); structured (structured outputs' cost)")
+    bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve", "cpu", "spec",
+                                         "structured", "deterministic"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     return parser, {"generate": gen, "chat": chat, "serve": serve, "bench": bench}
 

@@ -42,6 +42,7 @@ def compile_only(run):
 def main() -> None:
     driver.set_active(CompileOnlyDriver())
     jit.JITFunction.run = compile_only(jit.JITFunction.run)
+    from flashpage.kernels import batch_invariant as inv
     from flashpage.kernels import triton_ops as tri
     from flashpage.kv import KVCache
 
@@ -78,6 +79,13 @@ def main() -> None:
         tri.linear(x, weight, rand(64, dtype=dtype), residual=rand(3, 64, dtype=dtype))
         tri.linear(x, weight, norm_weight=w, eps=1e-5, silu_mul=True)
         tri.linear(x, weight, norm_weight=w, eps=1e-5, out_dtype=torch.float32)
+        # the batch-invariant set (deterministic mode): its linear, its attention tiles without the copy engine
+        for ops_x in (x, rand(70, 256, dtype=dtype), rand(200, 256, dtype=dtype)):  # each tile class
+            inv.linear(ops_x, weight, residual=rand(ops_x.shape[0], 64, dtype=dtype))
+            inv.linear(ops_x, weight, norm_weight=w, eps=1e-5, silu_mul=True)
+            inv.linear(ops_x, weight, norm_weight=w, eps=1e-5, out_dtype=torch.float32)
+        inv.paged_attention(decode[0], KVCache(cache, cache), table, decode[1], lens, 1)
+        inv.flash_attn_varlen(q, k, v, cu, cu, 23, 23)
     # float32 attention (tests' tiny models): float32 products, not TF32
     q, k = rand(40, 8, 64, dtype=torch.float32), rand(40, 2, 64, dtype=torch.float32)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)
@@ -100,6 +108,8 @@ def main() -> None:
     tri.apply_penalties(logits, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5, 9]),
                         torch.tensor([1, 0], dtype=torch.int32), *(full(1.1, torch.float32) for _ in range(3)))
     tri.apply_token_bitmask(logits, torch.full((3, 32), -1, dtype=torch.int32))
+    inv.greedy(logits)
+    inv.sample(logits, *args)
     print("all kernels compiled for sm_90")
 
 

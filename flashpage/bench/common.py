@@ -1,11 +1,19 @@
-"""Timing helpers shared by the benchmarks: CUDA-event medians after warm-up, and the device's ceilings."""
+"""Helpers shared by the benchmarks: CUDA-event medians after warm-up, the device's ceilings, engines over one
+loaded model."""
 
 from __future__ import annotations
 
 import functools
+import gc
 import statistics
+import time
 
 import torch
+
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
+from flashpage.loader import LoadedModel
+from flashpage.sampling_params import SamplingParams
 
 
 def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200, graph: bool = True) -> float:
@@ -71,3 +79,35 @@ def matmul_tflops(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(lambda: a @ b, graph=False)
     return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def engine_over(llm, **settings) -> LLMEngine:
+    """Another engine over `llm`'s loaded model (no reload)."""
+    loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
+    cfg = EngineConfig(**{**{k: getattr(llm.engine.cfg, k) for k in ("device", "dtype", "max_model_len",
+                                                                   "num_gpu_blocks")}, **settings})
+    return LLMEngine(cfg, loaded)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Free what deleted engines held (engines freeze what start-up built, so a full collection must unfreeze)."""
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    sync()
+    start = time.perf_counter()
+    engine.add_request("r", prompt, params)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    return time.perf_counter() - start, out.outputs[0].token_ids

@@ -131,7 +131,7 @@ def matmuls_ms(model, batch: int) -> float:
     return median_ms(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights])
 
 
-KERNEL_KINDS = [("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma")), ("linear (Triton)", ("skinny_linear",)),
+KERNEL_KINDS = [("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma")), ("linear (Triton)", ("_linear_kernel",)),
                 ("attention", ("_attention_kernel",)), ("split merge", ("_merge_splits",)), ("rms_norm", ("rms_norm",)),
                 ("rope+cache", ("rope",)), ("silu_and_mul", ("silu",))]
 

@@ -20,7 +20,6 @@ Prints tables; `--out` writes JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import inspect
 import json
 import random
@@ -30,9 +29,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.engine.config import EngineConfig
-from flashpage.engine.llm_engine import LLMEngine
-from flashpage.loader import LoadedModel
+from flashpage.bench.common import engine_over, free_memory, run_alone, sync
 from flashpage.sampling_params import SamplingParams
 
 
@@ -58,38 +55,6 @@ def real_prompts() -> list[tuple[str, str]]:
         ("summarise", "Summarise this passage in two sentences:\n\n" + passage("break")),
         ("summarise", "Summarise this passage in two sentences:\n\n" + passage("continue")),
     ]
-
-
-def engine_over(llm, **settings) -> LLMEngine:
-    """Another engine over `llm`'s loaded model (no reload)."""
-    loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
-    cfg = EngineConfig(**{**{k: getattr(llm.engine.cfg, k) for k in ("device", "dtype", "max_model_len",
-                                                                   "num_gpu_blocks")}, **settings})
-    return LLMEngine(cfg, loaded)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def free_memory() -> None:
-    """Free what deleted engines held (engines freeze what start-up built, so a full collection must unfreeze)."""
-    gc.unfreeze()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
-    sync()
-    start = time.perf_counter()
-    engine.add_request("r", prompt, params)
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o
-    return time.perf_counter() - start, out.outputs[0].token_ids
 
 
 def real(args) -> dict:

@@ -31,8 +31,8 @@ class EngineConfig:
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
     seed: int = _setting(0, "seeds the dummy weights and requests that bring no seed")
     max_model_len: int | None = _setting(None, "context (prompt plus output) in tokens; default: the model's")
-    kernels: str = _setting("auto", "auto: triton on CUDA, cpu on CPU; torch: the PyTorch references",
-                            ("auto", "torch", "cpu", "triton"))
+    kernels: str = _setting("auto", "auto: triton on CUDA, cpu on CPU; torch: the PyTorch references; "
+                            "batch_invariant: what deterministic picks", ("auto", "torch", "cpu", "triton", "batch_invariant"))
     block_size: int = _setting(16, "tokens per KV-cache block (a power of two)")
     num_gpu_blocks: int | None = _setting(None, "KV cache size in blocks (default: from the memory settings)")
     gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the GPU's memory flashpage may fill")
@@ -45,6 +45,8 @@ class EngineConfig:
     max_logprobs: int = _setting(20, "most log-probs a request may ask for per token (-1: no limit)")
     cpu_threads: int | None = _setting(None, "CPU: PyTorch threads (default: OMP_NUM_THREADS if set, else the "
                                              "physical cores this process may use)")
+    deterministic: bool = _setting(False, "batch-invariant kernels: a request's tokens and log-probs are the same "
+                                   "whatever else is batched (CUDA)")
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
                                                "line): method ngram or draft_model, num_speculative_tokens, ...")
 

@@ -104,6 +104,13 @@ class ModelRunner:
         device = resolve_device(cfg.device)
         # Triton kernels on the GPU; on CPU the interpreter would be far too slow
         kernels = cfg.kernels if cfg.kernels != "auto" else "triton" if device.startswith("cuda") else "cpu"
+        if cfg.deterministic:
+            if cfg.kernels not in ("auto", "batch_invariant"):
+                raise ValueError(f"deterministic=True runs the batch-invariant kernels, not kernels={cfg.kernels!r}")
+            if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("deterministic=True needs a CUDA device: its kernels are Triton's (on CPU they run "
+                                 "only in Triton's interpreter, TRITON_INTERPRET=1, far too slowly but for tests)")
+            kernels = "batch_invariant"
         if device == "cpu":
             torch.set_num_threads(cfg.cpu_threads or default_cpu_threads())
         if loaded is None:

@@ -47,10 +47,7 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: 
     if masked:
         logits[upload([i for i, _ in masked], torch.int64, dev), upload([t for _, t in masked], torch.int64, dev)] = float("-inf")
     if all(p.greedy for p in params):
-        # torch's argmax and logsumexp spread a row over many blocks; the sampling kernel gives a row one program,
-        # which only pays when there is something to draw (docs/kernel-notes.md)
-        tokens = logits.argmax(dim=-1)
-        chosen = logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        tokens, chosen = ops.greedy(logits)
     else:
         tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev),
                                     filtered=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),

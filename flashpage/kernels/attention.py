@@ -281,8 +281,13 @@ def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -
     return 64, 32, 8, 2
 
 
+def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """The batch-invariant mode's tiles, for every shape."""
+    return (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
+
+
 def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, causal, softmax_scale, window_size,
-            num_splits, paged: bool, page_size: int, tiles=None):
+            num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False):
     total_q, hq, dim = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
@@ -292,9 +297,10 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
     # Decode reads pages through the copy engine: each program keeps several pages in flight. Its tiles are at most
     # one page, and a tile feeds tl.dot, which needs 16 keys or more.
-    tma = (paged and max_seqlen_q * group <= 16 and page_size >= 16
+    tma = (not batch_invariant and paged and max_seqlen_q * group <= 16 and page_size >= 16
            and _copy_engine_can_read(k) and _copy_engine_can_read(v))
-    block_m, block_n, warps, stages = tiles or _tiles(dim, max_seqlen_q, group, tma, page_size)
+    block_m, block_n, warps, stages = (_invariant_tiles(dim) if batch_invariant else
+                                       tiles or _tiles(dim, max_seqlen_q, group, tma, page_size))
     block_d = triton.next_power_of_2(dim)
     grid_m = triton.cdiv(max_seqlen_q * group, block_m)
     decode = block_m == 16
@@ -309,7 +315,10 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     pdl = num_splits > 1 and not interpret and not _before_hopper(q.device)
     # Gather decode masks every tile (a second loop cost more than the masking); the copy-engine decode keeps the
     # unmasked loop, where its V tiles go straight from shared memory to the tensor cores.
-    common = dict(MASK_EVERY_TILE=decode and not tma, TMA=tma, PDL=pdl, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d,
+    # Batch-invariant: every tile masked too, as the compiler fuses the unmasked tiles' arithmetic differently (one
+    # rounding fewer), and whether a key tile needs a mask depends on which rows share the program.
+    common = dict(MASK_EVERY_TILE=decode and not tma or batch_invariant, TMA=tma, PDL=pdl, GROUP=group, HEAD_DIM=dim,
+                  BLOCK_D=block_d,
                   BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
                   NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and interpret)
@@ -341,37 +350,45 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
-                      softmax_scale=None, window_size=(-1, -1), tiles=None, out=None):
+                      softmax_scale=None, window_size=(-1, -1), tiles=None, batch_invariant=False, out=None):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D]. `tiles`
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile shape (benchmark sweeps)."""
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile shape (benchmark sweeps). batch_invariant=True:
+    a query row's result does not depend on the other rows and sequences of the call (one tile shape, every
+    tile masked)."""
     _check(q, k, v, window_size)
     out = torch.empty_like(q) if out is None else out
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, causal, softmax_scale,
-                   window_size, 1, paged=False, page_size=1, tiles=tiles)
+                   window_size, 1, paged=False, page_size=1, tiles=tiles, batch_invariant=batch_invariant)
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
-                    softmax_scale=None, window_size=(-1, -1), num_splits=None, tiles=None, out=None):
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, tiles=None, batch_invariant=False,
+                    out=None):
     """Queries are the last q_len tokens of sequences whose keys sit in a paged cache (a KVCache: k/v
     [blocks, block_size, Hkv, D]).
 
     Decode (max_seqlen_q == 1) splits long key ranges over several programs when the batch alone cannot fill
     the GPU (Flash-Decoding); `num_splits` overrides that choice, and `tiles` (BLOCK_M, BLOCK_N, num_warps,
-    num_stages) the tile shape (benchmark sweeps).
+    num_stages) the tile shape (benchmark sweeps). batch_invariant=True: a query row's result does not depend on
+    the other rows and sequences of the call, decode or prefill (one tile shape, no split, no copy engine, every
+    tile masked).
     """
     k_cache, v_cache = kv_cache.k, kv_cache.v
     _check(q, k_cache, v_cache, window_size)
     page = k_cache.shape[1]
     if page < 8 or page & (page - 1):
         raise ValueError(f"block size must be a power of two >= 8, got {page}")
-    if num_splits is None:
+    if batch_invariant:
+        num_splits = 1
+    elif num_splits is None:
         num_splits = choose_num_splits(cu_seqlens_q.numel() - 1, k_cache.shape[2], max_seqlen_q,
                                        block_table.shape[1] * page, q.device)
     elif num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
-                   softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles)
+                   softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles,
+                   batch_invariant=batch_invariant)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from flashpage.kernels import reference
 from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, composed_linear, flash_attn_varlen,
-                                         reshape_and_cache, rope_and_cache, sample, silu_and_mul)
+                                         greedy, reshape_and_cache, rope_and_cache, sample, silu_and_mul)
 
-__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "linear", "paged_attention",
+__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
            "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul"]
 
 

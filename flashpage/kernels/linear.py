@@ -1,4 +1,5 @@
-"""Linear layers at decode batch sizes: one kernel streams the weight once and fuses what follows the matmul.
+"""Linear layers at decode batch sizes (and at every size, batch-invariant): one kernel streams the weight and
+fuses what follows the matmul.
 
 A decode step multiplies a handful of rows by each weight matrix, so it is bound by reading the weights, and in a
 CUDA graph every small kernel between two matmuls costs a few microseconds. This kernel takes in the neighbours
@@ -8,9 +9,16 @@ that come after each projection of a decoder layer, without adding work to the l
 - bias, the residual add (one rounding, as torch.addmm), and the output dtype (float32 logits from the LM head).
 The RMSNorm before a projection stays a kernel of its own: each program would have to read the whole input rows
 before its first product, and that costs more than the launch it saves (measured: docs/kernel-notes.md).
-A program owns BLOCK_N output features of every row and walks all of K (no split-K, no atomics). Rows are
-padded to one tensor-core tile (16); larger batches are compute-shaped and go to cuBLAS (`flashpage.kernels.
-triton_ops.linear` chooses).
+A program owns BLOCK_N output features of BLOCK_M rows and walks all of K (no split-K, no atomics). At decode
+sizes the rows are padded to one tensor-core tile (16) and one program column covers them; larger batches are
+compute-shaped and go to cuBLAS (`flashpage.kernels.triton_ops.linear` chooses). `invariant_linear` runs the
+kernel at every size: the deterministic mode's linear layers (cuBLAS picks its algorithm, and split-K, by the
+shape, so a row's sums depend on how many rows came with it). With 16-bit inputs the tensor cores sum each output
+over K in the same order for every tile shape, 16 at a time from k = 0, so the kernel may pick its tiles by the
+number of rows: on an H100 nine shapes, from 16 x 32 x 256 (mma.sync) to 128 x 256 x 64 (wgmma), gave
+bit-identical products (docs/kernel-notes.md), and `flashpage bench deterministic` checks the whole model.
+Float32 products (FMA loops) and Triton's CPU interpreter sum a BLOCK_K at a time in an order of their own: there
+one shape serves every size.
 """
 
 from __future__ import annotations
@@ -27,13 +35,13 @@ MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
 
 @triton.jit
-def _skinny_linear_kernel(
+def _linear_kernel(
     X, W, Bias, Residual, Out,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
     SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N  # N counts output features: with SILU_MUL, the weight has 2N rows
@@ -61,8 +69,9 @@ def _skinny_linear_kernel(
         acc = act * acc_up.to(W.dtype.element_ty).to(tl.float32)
     out_ok = row_ok[:, None] & col_ok[None, :]
     if HAS_RESIDUAL:
-        acc += tl.load(Residual + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0).to(tl.float32)
-    tl.store(Out + rows[:, None] * stride_om + cols[None, :], acc.to(Out.dtype.element_ty), mask=out_ok)
+        acc += tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=out_ok,
+                       other=0.0).to(tl.float32)
+    tl.store(Out + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(Out.dtype.element_ty), mask=out_ok)
 
 
 def _tiles(silu_mul: bool) -> tuple[int, int, int, int]:
@@ -74,23 +83,42 @@ def _tiles(silu_mul: bool) -> tuple[int, int, int, int]:
 def skinny_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, tiles=None):
     """x [M <= 16, K], weight [N, K] -> [M, N] (or [M, N / 2] with silu_mul); see the module docstring.
     `tiles` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}")
+    return _linear(x, weight, bias, silu_mul, residual, out_dtype, (MAX_ROWS, *(tiles or _tiles(silu_mul))))
+
+
+def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None):
+    """As skinny_linear, for any number of rows, each row's result independent of the others (module docstring)."""
+    m = x.shape[0]
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of the sweep's shapes at each size on an H100
+    if x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1":
+        tiles = (64, 64, 64, 4, 3)
+    elif m <= MAX_ROWS:
+        tiles = (MAX_ROWS, *_tiles(silu_mul))
+    else:
+        tiles = (64, 64, 128, 4, 3) if m <= 128 else (128, 128, 64, 8, 3)
+    return _linear(x, weight, bias, silu_mul, residual, out_dtype, tiles)
+
+
+def _linear(x, weight, bias, silu_mul, residual, out_dtype, tiles):
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"skinny_linear needs x [<= {MAX_ROWS}, K] and weight [N, K] with unit inner strides, "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"linear needs x [M, K] and weight [N, K] with unit inner strides, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
     if m == 0:
         return out
-    block_n, block_k, warps, stages = tiles or _tiles(silu_mul)
+    block_m, block_n, block_k, warps, stages = tiles
     res = residual if residual is not None else out
     unused = weight  # stands in for the optional pointers the variant does not read
-    _skinny_linear_kernel[(triton.cdiv(n, block_n),)](
+    _linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, unused if bias is None else bias, res, out, m, n, k, x.stride(0), weight.stride(0), res.stride(0),
         out.stride(0), SILU_MUL=silu_mul, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)
     return out

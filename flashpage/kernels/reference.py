@@ -140,6 +140,12 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered=True, dr
     return tokens, torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 
+def greedy(logits):
+    """(argmax token [B], its log-probability [B]) of each row."""
+    tokens = logits.argmax(dim=-1)
+    return tokens, logits.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
 def apply_penalties(logits, rows, tokens, counts, repetition, presence, frequency):
     rows = rows.long()
     x = logits[rows, tokens.long()]

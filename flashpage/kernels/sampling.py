@@ -248,10 +248,11 @@ def _finish(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, 
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = True, draft_tokens=None,
-           draft_probs=None):
+           draft_probs=None, chunks: int | None = None):
     """logits [B, V] -> (token ids [B] int64, their log-probabilities under softmax(logits) [B] float32). Per row:
     temperature (0 = greedy), top_k (>= V: off), top_p, min_p (float32 tensors, top_k int32) and seeds (int64).
-    filtered=False promises that no row uses top-k or top-p, which skips the threshold search.
+    filtered=False promises that no row uses top-k or top-p, which skips the threshold search. `chunks` (a power
+    of two) fixes how many pieces each row is cut into, which otherwise follows the batch size.
 
     Speculative verification: where draft_tokens [B] int64 is >= 0, that token was drawn from the row of
     draft_probs [B, V] float32 (q); it is kept with probability min(1, p / q), p the row's distribution after
@@ -265,7 +266,9 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
     block = min(triton.next_power_of_2(vocab), 1024)
     # Chunks: about two programs per SM over the batch (the interpreter cuts small batches in two, which tests
     # the merging without multiplying its slow programs on large ones).
-    want = triton.cdiv(2 * sm_count(dev.index or 0), batch) if dev.type == "cuda" else 2 if batch <= 16 else 1
+    if chunks is None:
+        chunks = triton.cdiv(2 * sm_count(dev.index or 0), batch) if dev.type == "cuda" else 2 if batch <= 16 else 1
+    want = chunks
     chunks = min(triton.next_power_of_2(want), 64, triton.next_power_of_2(triton.cdiv(vocab, block)))
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)

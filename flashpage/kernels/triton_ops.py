@@ -1,4 +1,6 @@
-"""The Triton kernels under the names the model and sampler call (same signatures as `reference`)."""
+"""The Triton kernels under the names the model and sampler call (same signatures as `reference`). Greedy rows are
+torch's argmax and logsumexp, which spread a row over many blocks: the sampling kernel gives a row one program,
+which only pays when there is something to draw (docs/kernel-notes.md)."""
 
 import torch
 
@@ -7,11 +9,11 @@ from flashpage.kernels.attention import flash_attn_varlen, paged_attention
 from flashpage.kernels.cache import reshape_and_cache
 from flashpage.kernels.linear import MAX_ROWS, skinny_linear
 from flashpage.kernels.norm import rms_norm
-from flashpage.kernels.reference import composed_linear
+from flashpage.kernels.reference import composed_linear, greedy
 from flashpage.kernels.rotary import rope_and_cache
 from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, sample
 
-__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "linear", "paged_attention",
+__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
            "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul"]
 
 
