@@ -168,7 +168,7 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Sampling reads the tokens generated so far on the host (so no step may run ahead of them)."""
-        return self.uses_penalties or bool(self.bad_words) or self.structured_outputs is not None
+        return self.uses_penalties or bool(self.bad_words)
 
     @property
     def changes_logits(self) -> bool:

@@ -61,6 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         self.rng = random.Random(cfg.seed)  # seeds of unseeded requests
         self.in_flight: InFlight | None = None
+        self._early_outputs: list[RequestOutput] | None = None  # the step in flight, read back by _token_bitmask
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -197,13 +198,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         launched = None
         self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
+        self._early_outputs = None
         if plan.seqs:
             # Penalties and bad words need every earlier token on the host before the next step samples; so do
             # proposals (and how many tokens a verification keeps decides the next step's positions).
             overlap = self.cfg.overlap and not speculate and not any(s.row.params.needs_history for s in plan.samples)
             draft_probs = self.proposer.probs if self.proposer else None
             launched = InFlight(self.runner.step(plan, draft_probs, self._token_bitmask(plan)), overlap)
-        outputs = self._read_back(self.in_flight) if self.in_flight else []
+        outputs = self._early_outputs if self._early_outputs is not None else \
+            self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
         if launched and not launched.overlap:
             outputs += self._read_back(launched)
@@ -212,13 +215,21 @@ class LLMEngine:
 
     def _token_bitmask(self, plan):
         """The grammar masks of the plan's constrained samples, as a function the runner calls once the forward
-        pass is launched (so the host fills them while the device computes); None where nothing is constrained."""
-        seqs = {spec.seq_id: self.seqs[spec.seq_id] for spec in plan.samples}
-        constrained = {i: s for i, s in seqs.items() if s.grammar is not None}
+        pass is launched: it reads back the step still in flight (its tokens move the grammars), then fills the
+        masks while the device computes. None where nothing is constrained."""
+        constrained = {spec.seq_id: self.seqs[spec.seq_id] for spec in plan.samples
+                       if self.seqs[spec.seq_id].grammar is not None}
         if not constrained:
             return None
-        return lambda: self.structured.bitmask(plan.samples, {i: s.grammar for i, s in constrained.items()},
-                                               {i: s.verifying for i, s in constrained.items()})
+
+        def fill():
+            if self.in_flight:
+                self._early_outputs = self._read_back(self.in_flight)
+                self.in_flight = None
+            live = {i: s for i, s in constrained.items() if not s.finished}  # (a finished one's token is dropped)
+            return self.structured.bitmask(plan.samples, {i: s.grammar for i, s in live.items()},
+                                           {i: s.verifying for i, s in live.items()})
+        return fill
 
     def _propose(self) -> bool:
         """Proposals for the decoding sequences whose tokens are all known, unless the batch is too large for
