@@ -4,8 +4,9 @@ llguidance (docs/structured-output.md says why this library) gives each constrai
 the host fills one bit per vocabulary token for every constrained sample row, while the device runs the forward
 pass; the sampler applies the mask to the logits on the device, one launch for the batch. The token drawn is then
 fed back to its matcher. With overlap, the next step is planned and its forward pass launched before that token is
-on the host; the engine reads it back just before filling that step's masks. A speculative proposal is first cut to its longest prefix the grammar accepts, and the
-rows that verify it get the masks of the states after each proposed token.
+on the host; the engine reads it back just before filling that step's masks. A speculative proposal is first cut
+to its longest prefix the grammar accepts, and the rows that verify it get the masks of the states after each
+proposed token.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class StructuredOutputs:
         grammar = _grammar(so.kind, text, so.disable_any_whitespace)
         matcher = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ParameterError("structured_outputs", f"the {so.kind} constraint does not compile: {matcher.get_error()}")
+            raise ParameterError("structured_outputs",
+                                 f"the {so.kind} constraint does not compile: {matcher.get_error()}")
         return matcher
 
     def bitmask(self, samples, matchers: dict[int, llguidance.LLMatcher],
@@ -86,7 +88,8 @@ def _grammar(kind: str, text: str | None, compact: bool) -> str:
     try:
         if kind in ("json", "json_object"):
             return llguidance.LLMatcher.grammar_from_json_schema(
-                text if kind == "json" else '{"type": "object"}', overrides={"whitespace_flexible": False} if compact else None)
+                text if kind == "json" else '{"type": "object"}',
+                overrides={"whitespace_flexible": False} if compact else None)
         return llguidance.grammar_from(kind, text)
     except (ValueError, TypeError) as e:
         raise ParameterError("structured_outputs", f"the {kind} constraint does not compile: {e}") from None
