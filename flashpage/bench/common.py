@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -111,3 +113,10 @@ def run_alone(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> t
         for o in engine.step():
             out = o
     return time.perf_counter() - start, out.outputs[0].token_ids
+
+
+def write_json(path: Path | None, results: dict) -> None:
+    """A benchmark's results as JSON at `path` (its --out), if given."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2))

@@ -15,14 +15,14 @@ does it cost, against the default mode in the same run, on the same dummy weight
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import copy_bandwidth_tbs, engine_over, free_memory, matmul_tflops, median_ms, sync
+from flashpage.bench.common import (copy_bandwidth_tbs, engine_over, free_memory, matmul_tflops, median_ms, sync,
+                                    write_json)
 from flashpage.bench.throughput import matmul_flops
 from flashpage.sampling_params import SamplingParams
 
@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
               f"throughput {d['output_tok_s'] / base['output_tok_s']:.2f}x")
     if "linear" not in skip:
         r["linear"] = linear_times(llm.engine.runner.model)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(r, indent=2))
+    write_json(args.out, r)
     return 0
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import free_memory, sync
+from flashpage.bench.common import free_memory, sync, write_json
 from flashpage.sampling_params import SamplingParams, StructuredOutputsParams
 
 SCHEMA = {"type": "object", "required": ["name", "age", "address", "tags"],
@@ -105,9 +105,20 @@ def libraries(args) -> dict:
     answer = tok.encode(json.dumps(ANSWER), add_special_tokens=False)
     out = {}
 
-    def record(name, index_s, compile_s, step):
-        """step(batch) fills one mask per request and returns nothing; matchers advance along `answer`."""
-        per = {b: statistics.median(step(b)) * 1e3 for b in (1, 32)}
+    def record(name, index_s, compile_s, new, fill, advance):
+        """new(batch) -> (matchers, mask); fill(matchers, mask) fills one mask per matcher (timed); advance(matcher,
+        token). The matchers walk `answer` together."""
+        def walk(batch):
+            (matchers, mask), times = new(batch), []
+            for t in answer:
+                start = time.perf_counter()
+                fill(matchers, mask)
+                times.append(time.perf_counter() - start)
+                for m in matchers:
+                    advance(m, t)
+            return times
+
+        per = {b: statistics.median(walk(b)) * 1e3 for b in (1, 32)}
         out[name] = {"index_ms": index_s * 1e3, "compile_ms": compile_s * 1e3, "mask_ms_batch1": per[1],
                      "mask_ms_batch32": per[32]}
         print(f"{name:12s} tokenizer index {index_s * 1e3:7.0f} ms, schema compile {compile_s * 1e3:6.1f} ms, mask per "
@@ -124,19 +135,10 @@ def libraries(args) -> dict:
     llguidance.LLMatcher(lt, grammar)
     compile_s = time.perf_counter() - start
     executor = llguidance.LLExecutor()
-
-    def ll_step(batch):
-        matchers = [llguidance.LLMatcher(lt, grammar) for _ in range(batch)]
-        mask, times = llguidance.torch.allocate_token_bitmask(batch, vocab), []
-        for t in answer:
-            start = time.perf_counter()
-            llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], mask)
-            times.append(time.perf_counter() - start)
-            for m in matchers:
-                m.consume_token(t)
-        return times
-
-    record("llguidance", index_s, compile_s, ll_step)
+    record("llguidance", index_s, compile_s,
+           lambda b: ([llguidance.LLMatcher(lt, grammar) for _ in range(b)], llguidance.torch.allocate_token_bitmask(b, vocab)),
+           lambda ms, mask: llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(ms)], mask),
+           lambda m, t: m.consume_token(t))
     try:
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
@@ -152,23 +154,10 @@ def libraries(args) -> dict:
         compiled = compiler.compile_json_schema(json.dumps(SCHEMA))
         compile_s = time.perf_counter() - start
 
-        def xgr_step(batch):
-            matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
-            mask, times = xgr.allocate_token_bitmask(batch, vocab), []
-            batched = xgr.BatchGrammarMatcher() if hasattr(xgr, "BatchGrammarMatcher") else None
-            for t in answer:
-                start = time.perf_counter()
-                if batched is not None:
-                    batched.batch_fill_next_token_bitmask(matchers, mask)
-                else:
-                    for i, m in enumerate(matchers):
-                        m.fill_next_token_bitmask(mask, i)
-                times.append(time.perf_counter() - start)
-                for m in matchers:
-                    m.accept_token(t)
-            return times
-
-        record("xgrammar", index_s, compile_s, xgr_step)
+        batched = xgr.BatchGrammarMatcher()
+        record("xgrammar", index_s, compile_s,
+               lambda b: ([xgr.GrammarMatcher(compiled) for _ in range(b)], xgr.allocate_token_bitmask(b, vocab)),
+               batched.batch_fill_next_token_bitmask, lambda m, t: m.accept_token(t))
     try:
         import outlines_core as oc
         from outlines_core.json_schema import build_regex_from_schema
@@ -187,18 +176,13 @@ def libraries(args) -> dict:
         index = oc.Index(build_regex_from_schema(json.dumps(SCHEMA)), vocabulary)
         compile_s = time.perf_counter() - start
 
-        def oc_step(batch):
-            guides, mask, times = [oc.Guide(index) for _ in range(batch)], torch.zeros(batch, vocab, dtype=torch.bool), []
-            for t in answer:
-                start = time.perf_counter()
-                for i, g in enumerate(guides):
-                    mask[i, g.get_tokens()] = True
-                times.append(time.perf_counter() - start)
-                for g in guides:
-                    g.advance(t)
-            return times
+        def oc_fill(guides, mask):
+            for i, g in enumerate(guides):
+                mask[i, g.get_tokens()] = True
 
-        record("outlines-core", index_s, compile_s, oc_step)
+        record("outlines-core", index_s, compile_s,
+               lambda b: ([oc.Guide(index) for _ in range(b)], torch.zeros(b, vocab, dtype=torch.bool)), oc_fill,
+               lambda g, t: g.advance(t))
     return {"vocab": vocab, "answer_tokens": len(answer), "threads": torch.get_num_threads(), "libraries": out}
 
 
@@ -213,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     r = cost(args) if args.part == "cost" else libraries(args)
     r["date"] = time.strftime("%Y-%m-%d")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(r, indent=2))
+    write_json(args.out, r)
     return 0
 
 
