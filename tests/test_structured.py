@@ -141,6 +141,7 @@ def test_server_response_format_and_guided_fields(smollm_llm):
         post = lambda body: httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", **body},  # noqa: E731
                                        headers={"Authorization": f"Bearer {KEY}"})
         for body, param in [({"guided_regex": "([a-"}, "structured_outputs"),
+                            ({"structured_outputs": {"shape": "x"}}, "structured_outputs"),
                             ({"response_format": {"type": "xml"}}, "response_format"),
                             ({"response_format": {"type": "json_schema"}}, "response_format"),
                             ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_json")]:

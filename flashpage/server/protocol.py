@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from flashpage.errors import ParameterError
-from flashpage.sampling_params import SamplingParams, StructuredOutputsParams
+from flashpage.sampling_params import SamplingParams
 
 
 # OpenAI and vLLM request fields flashpage does not serve: a request that sets one gets a 400 naming it, instead of
@@ -76,7 +76,8 @@ class _SamplingFields(BaseModel):
             structured_outputs=self._structured_outputs(),
         )
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
+    def _structured_outputs(self) -> dict | None:
+        """The one structured-output field the request sets, as StructuredOutputsParams' fields."""
         given = {name: value for name, value in (
             ("response_format", self._response_format()), ("structured_outputs", self.structured_outputs),
             ("guided_json", self.guided_json and {"json": self.guided_json}),
@@ -85,12 +86,7 @@ class _SamplingFields(BaseModel):
             ("guided_grammar", self.guided_grammar and {"grammar": self.guided_grammar})) if value}
         if len(given) > 1:
             raise ParameterError(next(iter(given)), f"set one structured-output field, not {', '.join(given)}")
-        for name, value in given.items():
-            unknown = set(value) - set(StructuredOutputsParams.__dataclass_fields__)
-            if unknown:
-                raise ParameterError(name, f"{name} has unknown keys {sorted(unknown)}")
-            return StructuredOutputsParams(**value)
-        return None
+        return next(iter(given.values()), None)
 
     def _response_format(self) -> dict | None:
         """OpenAI's response_format as a structured-output constraint."""
