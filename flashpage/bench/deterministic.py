@@ -4,7 +4,8 @@ does it cost, against the default mode in the same run, on the same dummy weight
 1. Invariance: two target requests (greedy, and seeded at temperature 0.8; top-5 log-probs each) run alone, then
    last behind --batch-sizes other requests of random lengths (prompts 16..2048 tokens, outputs 8..128), with a
    2048-token step budget: alone a target's prompt is one chunk, in a batch it is cut into chunks next to other
-   requests' prompts and decodes (prefix caching off, so every batch computes it again). Reported per batch size and
+   requests' prompts and decodes (prefix caching off, so every batch computes it again; then once more in the
+   deterministic mode with it on, where the batches reuse the prompt's cached blocks). Reported per batch size and
    mode: whether the targets' tokens and log-probs are bit-identical to alone, else the first position that differs.
 2. Cost: batch-1 decode (ms per output token after the first, --input-len prompt) against the weight-streaming floor
    (weight bytes / measured copy rate), and offline throughput (--num-prompts requests) against the compute floor.
@@ -49,8 +50,9 @@ def first_difference(a, b) -> int | None:
     return None if len(tokens_a) == len(tokens_b) else min(len(tokens_a), len(tokens_b))
 
 
-def invariance(llm, deterministic: bool, batch_sizes: list[int], vocab: int) -> dict:
-    engine = engine_over(llm, deterministic=deterministic, max_num_batched_tokens=2048, enable_prefix_caching=False)
+def invariance(llm, deterministic: bool, batch_sizes: list[int], vocab: int, prefix_caching: bool = False) -> dict:
+    engine = engine_over(llm, deterministic=deterministic, max_num_batched_tokens=2048,
+                         enable_prefix_caching=prefix_caching)
     rng = random.Random(0)
     target_prompt = [rng.randrange(vocab) for _ in range(1500)]
     targets = [("greedy", target_prompt, SamplingParams(temperature=0, max_tokens=64, logprobs=5, ignore_eos=True)),
@@ -65,7 +67,8 @@ def invariance(llm, deterministic: bool, batch_sizes: list[int], vocab: int) -> 
         start = time.perf_counter()
         got = outputs(engine, others + targets)
         result[size] = {rid: first_difference(alone[rid], got[rid]) for rid, _, _ in targets}
-        print(f"  {'deterministic' if deterministic else 'default'} mode, {size:4d} others: "
+        print(f"  {'deterministic' if deterministic else 'default'} mode{' + prefix cache' if prefix_caching else ''}, "
+              f"{size:4d} others: "
               + ", ".join(f"{rid} {'identical' if d is None else f'differs from token {d}'}"
                           for rid, d in result[size].items()) + f" ({time.perf_counter() - start:.1f} s)", flush=True)
     del engine
@@ -144,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
         r["invariance"] = {mode: invariance(llm, mode == "deterministic", sizes, vocab)
                            for mode in ("default", "deterministic")}
+        # with the prefix cache, the targets' prompts are cache hits after their first run
+        r["invariance"]["deterministic_prefix_cache"] = invariance(llm, True, sizes, vocab, prefix_caching=True)
     if "cost" not in skip:
         r["cost"] = {mode: cost(llm, mode == "deterministic", args, vocab) for mode in ("default", "deterministic")}
         model = llm.engine.runner.model
