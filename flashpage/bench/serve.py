@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     before = spec_counters(args)
     result = asyncio.run(run(args, prompts))
     after = spec_counters(args)
-    if after:
-        drafts, proposed, accepted = (after[k] - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens",
-                                                                              "num_accepted_tokens"))
+    drafts, proposed, accepted = (after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens",
+                                                                             "num_accepted_tokens"))
+    if drafts:  # (the server exports the counters, at zero, without speculation too)
         result["spec_acceptance_rate"] = accepted / max(1, proposed)
         result["spec_mean_accepted_length"] = 1 + accepted / max(1, drafts)
     if args.compare_offline:
