@@ -112,7 +112,7 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ParameterError("bad_words", "bad_words need a tokenizer, and this model has none")
         if params.structured_outputs is not None:
-            self.structured.matcher(params.structured_outputs)  # compiles (cached), or names what is wrong
+            self.structured.matcher(params.structured_outputs)  # compiles it (once), or names what is wrong
         longest = limit if params.max_tokens is None else n + params.max_tokens
         need = -(-longest // self.cfg.block_size)
         if need > self.bm.num_blocks:
@@ -128,9 +128,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self.rng.getrandbits(63)
         req.seqs = [self._new_sequence(req, index, seed) for index in range(params.n)]
         if params.structured_outputs is not None:
-            grammar = self.structured.matcher(params.structured_outputs)
             for seq in req.seqs:
-                seq.grammar = grammar if seq.index == 0 else grammar.deep_copy()
+                seq.grammar = self.structured.matcher(params.structured_outputs)
         req.seqs[0].forks = req.seqs[1:]  # forked off the first once its prompt is computed, sharing its blocks
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
