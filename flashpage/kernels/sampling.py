@@ -268,8 +268,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
     # the merging without multiplying its slow programs on large ones).
     if chunks is None:
         chunks = triton.cdiv(2 * sm_count(dev.index or 0), batch) if dev.type == "cuda" else 2 if batch <= 16 else 1
-    want = chunks
-    chunks = min(triton.next_power_of_2(want), 64, triton.next_power_of_2(triton.cdiv(vocab, block)))
+    chunks = min(triton.next_power_of_2(chunks), 64, triton.next_power_of_2(triton.cdiv(vocab, block)))
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
     winners = torch.empty((batch, chunks, 2), dtype=torch.float32, device=dev)
