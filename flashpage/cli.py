@@ -122,8 +122,14 @@ def _serve(args) -> int:
 
     # uvicorn re-raises SIGTERM under the handler it found once it has shut down: make that one exit 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                          timeout_graceful_shutdown=grace + 10)).run()
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                   timeout_graceful_shutdown=grace + 10))
+    engine.on_failure = lambda e: setattr(server, "should_exit", True)  # requests got 503s; the server exits 1
+    server.run()
+    llm.shutdown()
+    if engine.failed:
+        print(f"flashpage: error: {engine.failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -139,11 +139,13 @@ def test_presets_build_on_meta_with_real_sizes(name):
 
 
 def test_dummy_materialises_without_float32_copies():
-    """llama-3-8b shapes (one layer, to keep CI small) materialise in bf16: peak RSS stays near the bf16 size."""
+    """llama-3-8b shapes (one layer, to keep CI small) materialise in bf16: peak RSS stays near the bf16 size plus
+    the one checkpoint tensor being loaded (the largest: the embedding)."""
     script = textwrap.dedent("""
+        import math
         import torch
         from flashpage.config import ModelConfig
-        from flashpage.loader import build_empty, init_dummy_weights
+        from flashpage.loader import build_empty, checkpoint_shapes, init_dummy_weights
         from flashpage.loader.presets import PRESETS
         cfg = ModelConfig(**{**PRESETS["llama-3-8b"], "num_hidden_layers": 1})
         def peak_rss():  # VmHWM belongs to this address space (ru_maxrss would carry the parent's over exec)
@@ -153,11 +155,11 @@ def test_dummy_materialises_without_float32_copies():
         model = build_empty(cfg, torch.bfloat16, torch.device("cpu"))
         init_dummy_weights(model)
         peak = peak_rss()
-        print(peak - before, cfg.num_parameters() * 2)
+        print(peak - before, cfg.num_parameters() * 2, max(math.prod(s) for s in checkpoint_shapes(cfg).values()) * 2)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
-    grown, bf16_bytes = int(out[0]), int(out[1])
-    assert bf16_bytes * 0.75 < grown < bf16_bytes * 1.25, (grown, bf16_bytes)  # float32 copies would need 2x
+    grown, bf16_bytes, largest = map(int, out)
+    assert bf16_bytes * 0.75 < grown < (bf16_bytes + largest) * 1.1, (grown, bf16_bytes)  # float32: 2x bf16
 
 
 def test_dummy_weights_give_finite_varied_logits():

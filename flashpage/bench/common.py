@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -16,6 +17,16 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.loader import LoadedModel
 from flashpage.sampling_params import SamplingParams
+
+
+def checkpoint_params(config, matrices_in_layers: bool = False) -> int:
+    """Parameters of the whole model (whatever share of it this process holds), or of its layers' matrices alone."""
+    from flashpage.loader import checkpoint_shapes
+
+    shapes = checkpoint_shapes(config)
+    if matrices_in_layers:
+        shapes = {name: shape for name, shape in shapes.items() if ".layers." in name and len(shape) == 2}
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200, graph: bool = True) -> float:

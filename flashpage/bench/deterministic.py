@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size() * (model.lm_head is not None)
         r["decode_floor_ms"] = weight_bytes / (r["copy_tbs"] * 1e12) * 1e3
         tokens = args.num_prompts * (args.tput_input_len + args.tput_output_len)
-        r["compute_floor_s"] = matmul_flops(model, tokens, args.num_prompts * args.tput_output_len) / (
+        r["compute_floor_s"] = matmul_flops(llm.config, tokens, args.num_prompts * args.tput_output_len) / (
             r["matmul_tflops"] * 1e12)
         for mode, c in r["cost"].items():
             ms = c["decode_ms_per_token"]

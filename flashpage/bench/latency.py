@@ -9,7 +9,8 @@ On random ("dummy") weights of a real shape (llama-3-8b bf16 by default), in one
 5. transformers' `generate` (eager, SDPA) on the same weights;
 6. greedy agreement: the first 16 tokens of a few prompts against transformers, with where they first diverge
    and the reference's logit margin there.
-Prints a table and writes JSON with `--out`.
+Prints a table and writes JSON with `--out`. With `--tensor-parallel-size N` the model is split over N GPUs and
+the floor is the weights over N copy engines; the peers, which hold the whole model on one GPU, are left out.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import copy_bandwidth_tbs, median_ms
+from flashpage.bench.common import checkpoint_params, copy_bandwidth_tbs, median_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,31 +38,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each system (median reported)")
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help="flashpage speculates (JSON, as the engine setting); acceptance is reported")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     skip = set(filter(None, args.skip.split(",")))
+    tp = args.tensor_parallel_size
+    if tp > 1:
+        skip |= {"gpt-fast", "transformers", "check"}
     from flashpage import LLM, SamplingParams
 
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
                "dtype": args.dtype, "batch_size": args.batch_size, "input_len": args.input_len,
-               "output_len": args.output_len}
+               "output_len": args.output_len, "tensor_parallel_size": tp}
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              speculative_config=args.speculative_config)
+              speculative_config=args.speculative_config, tensor_parallel_size=tp)
     vocab = llm.config.vocab_size
     first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     results["start_to_first_token_s"] = time.perf_counter() - t0
     assert len(first[0].outputs[0].token_ids) == 1
-    model = llm.engine.runner.model
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    model = llm.engine.runner.model  # (rank 0's shard)
+    weight_bytes = checkpoint_params(llm.config) * next(model.parameters()).element_size()
     bw = copy_bandwidth_tbs()
-    results.update(weight_bytes=weight_bytes, copy_tbs=bw, floor_ms=weight_bytes / (bw * 1e12) * 1e3,
-                   matmuls_only_ms=matmuls_ms(model, args.batch_size))
+    results.update(weight_bytes=weight_bytes, copy_tbs=bw, floor_ms=weight_bytes / (tp * bw * 1e12) * 1e3)
+    if tp == 1:
+        results["matmuls_only_ms"] = matmuls_ms(model, args.batch_size)
 
     prompts = torch.randint(vocab, (args.batch_size, args.input_len), generator=gen)
 
@@ -202,8 +208,12 @@ def report(r: dict) -> None:
     print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}, batch {r['batch_size']}, {r['input_len']} prompt "
           f"tokens, {r['output_len']} generated")
     print(f"engine start to first token: {r['start_to_first_token_s']:.1f} s")
-    print(f"copy bandwidth {r['copy_tbs']:.2f} TB/s; weights {r['weight_bytes'] / 1e9:.2f} GB -> floor {floor:.2f} ms/token")
-    print(f"the step's matrix products alone (cuBLAS, one graph): {r['matmuls_only_ms']:.2f} ms = {floor / r['matmuls_only_ms']:.1%} of floor")
+    tp = r.get("tensor_parallel_size", 1)
+    print(f"copy bandwidth {r['copy_tbs']:.2f} TB/s; weights {r['weight_bytes'] / 1e9:.2f} GB"
+          f"{f' over {tp} GPUs' if tp > 1 else ''} -> floor {floor:.2f} ms/token")
+    if "matmuls_only_ms" in r:
+        print(f"the step's matrix products alone (cuBLAS, one graph): {r['matmuls_only_ms']:.2f} ms = "
+              f"{floor / r['matmuls_only_ms']:.1%} of floor")
     print(f"{'system':<28}{'ms/token':>10}{'tok/s':>10}{'floor/ms':>10}{'flashpage x':>13}")
     ours = r["flashpage_ms_per_token"]
     for name, key in [("flashpage", "flashpage_ms_per_token"), ("gpt-fast style (compiled)", "gpt_fast_ms_per_token"),

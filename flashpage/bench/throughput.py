@@ -5,8 +5,9 @@
 bf16 by default). The peer is transformers' `generate` (eager, SDPA, greedy) on the same weights, at each of
 `--hf-batch-sizes` (one batch each); its best rate is the one compared. The ceiling is the compute floor: the
 run's matrix-product FLOPs (every token through every projection, the LM head for each sampled token; attention
-left out, so the floor is low) over the bf16 matmul rate measured in the same run. Prints a table; `--out`
-writes JSON.
+left out, so the floor is low) over the bf16 matmul rate measured in the same run (times N GPUs with
+`--tensor-parallel-size N`, where transformers, which holds the whole model on one GPU, is left out). Prints a
+table; `--out` writes JSON.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import matmul_tflops
+from flashpage.bench.common import checkpoint_params, matmul_tflops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from flashpage import LLM, SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(llm.config.vocab_size, (args.num_prompts, args.input_len), generator=gen)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -54,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     r = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
          "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
          "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_output_tok_s": generated / elapsed,
-         "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {}}
+         "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {},
+         "tensor_parallel_size": args.tensor_parallel_size}
     r["matmul_tflops"] = matmul_tflops()
-    r["compute_floor_s"] = matmul_flops(llm.engine.runner.model, prompts.numel() + generated, generated) / (
-        r["matmul_tflops"] * 1e12)
+    r["compute_floor_s"] = matmul_flops(llm.config, prompts.numel() + generated, generated) / (
+        args.tensor_parallel_size * r["matmul_tflops"] * 1e12)
 
-    sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
+    sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b] if args.tensor_parallel_size == 1 else []
     if sizes:
         from flashpage.bench.peers import to_transformers
 
@@ -85,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def matmul_flops(model, tokens: int, sampled: int) -> float:
+def matmul_flops(config, tokens: int, sampled: int) -> float:
     """2 FLOPs per weight per token for the decoder's projections, and for the LM head per sampled token."""
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    body = sum(m.weight.numel() for m in model.layers.modules() if isinstance(m, torch.nn.Linear))
-    return 2.0 * (body * tokens + head.numel() * sampled)
+    head = config.vocab_size * config.hidden_size
+    body = checkpoint_params(config, matrices_in_layers=True)
+    return 2.0 * (body * tokens + head * sampled)
 
 
 def report(r: dict) -> None:
@@ -98,7 +102,8 @@ def report(r: dict) -> None:
     ours = r["flashpage_output_tok_s"]
     print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total tok/s")
     floor = r["compute_floor_s"]
-    print(f"compute floor (matmul FLOPs at the measured {r['matmul_tflops']:.0f} TFLOP/s): {floor:.1f} s, at most "
+    gpus = f" x {r['tensor_parallel_size']} GPUs" if r.get("tensor_parallel_size", 1) > 1 else ""
+    print(f"compute floor (matmul FLOPs at the measured {r['matmul_tflops']:.0f} TFLOP/s{gpus}): {floor:.1f} s, at most "
           f"{ours * r['flashpage_s'] / floor:,.0f} output tok/s; flashpage reaches {floor / r['flashpage_s']:.0%} of it")
     for bs, rate in r["transformers"].items():
         shown = "out of memory" if rate is None else f"{rate:,.0f} output tok/s -> flashpage is {ours / rate:.1f}x"

@@ -47,6 +47,8 @@ class EngineConfig:
                                              "physical cores this process may use)")
     deterministic: bool = _setting(False, "batch-invariant kernels: a request's tokens and log-probs are the same "
                                    "whatever else is batched (CUDA)")
+    tensor_parallel_size: int = _setting(1, "split the model over this many ranks, one process per GPU (CPU: "
+                                         "processes over gloo); under torchrun, its world size")
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
                                                "line): method ngram or draft_model, num_speculative_tokens, ...")
 
@@ -68,7 +70,7 @@ class EngineConfig:
                                      f", got {value!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cpu_threads"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cpu_threads", "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ParameterError(name, f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -34,6 +34,10 @@ class LLM:
         """KV cache and scheduler counters (see README)."""
         return self.engine.stats()
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks now (otherwise at exit); this LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
     # ----- public API ---------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

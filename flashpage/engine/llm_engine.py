@@ -25,8 +25,9 @@ from flashpage.engine.step import SampledToken
 from flashpage.engine.structured import StructuredOutputs
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
-from flashpage.loader import LoadedModel
+from flashpage.loader import LoadedModel, model_config
 from flashpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flashpage.parallel.workers import WorkerFailed, start_workers
 from flashpage.sampling_params import SamplingParams
 from flashpage.tokenizer import IncrementalDetokenizer
 
@@ -50,11 +51,19 @@ class Request:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
-        """Builds the runner (which loads `cfg.model`, or serves `loaded`), the block manager and the scheduler."""
+        """Builds the runner (which loads `cfg.model`, or serves `loaded`), the block manager and the scheduler.
+        With tensor_parallel_size > 1 it first starts the other ranks (`flashpage.parallel.workers`)."""
         self.spec = cfg.speculative
-        # a draft model's weights are loaded first, and the target's KV cache leaves room for the draft's
+        self.workers = None
+        if cfg.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("a model already in memory cannot be split over ranks; give tensor_parallel_size=1")
+            cfg, self.workers = start_workers(cfg, model_config(cfg))
+        # a draft model's weights are loaded first, and the target's KV cache leaves room for the draft's (the
+        # draft runs whole on the driver)
         draft = load_draft(self.spec, cfg) if self.spec and self.spec.method == "draft_model" else None
-        self.runner = ModelRunner(cfg, loaded, draft_bytes_per_block(draft, cfg.block_size) if draft else 0)
+        tp = self.workers.tp if self.workers else None
+        self.runner = ModelRunner(cfg, loaded, draft_bytes_per_block(draft, cfg.block_size) if draft else 0, tp)
         self.cfg = cfg = self.runner.cfg  # device, kernels and max_model_len resolved
         self.config, self.tokenizer = self.runner.config, self.runner.tokenizer
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -188,11 +197,27 @@ class LLMEngine:
     def unfinished_request_ids(self) -> list[str]:
         return list(self.requests)
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also done at exit); the engine cannot step after this."""
+        if self.workers:
+            self.workers.shutdown()
+
     # ----- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch; return the outputs of the requests advanced by the batch launched
         before it (finished ones flagged). With overlap, the host schedules this step while the GPU still runs
-        the last one, whose tokens this step reads on the device; otherwise a step is read back at once."""
+        the last one, whose tokens this step reads on the device; otherwise a step is read back at once.
+        Raises WorkerFailed if a tensor-parallel rank died or hung (the engine is stopped then)."""
+        if self.workers is None:
+            return self._step()
+        if self.workers.stopped:
+            raise WorkerFailed("the tensor-parallel engine has stopped")
+        try:
+            return self._step()
+        except RuntimeError as e:  # a collective failed: the group is broken
+            raise self.workers.failure(e) from e
+
+    def _step(self) -> list[RequestOutput]:
         speculate = self._propose()
         plan = self.scheduler.schedule()
         launched = None

@@ -1,6 +1,9 @@
 """ModelRunner: loads the model, owns the paged KV cache and the CUDA graphs, and runs one StepPlan in one call:
 block copies, inputs, forward pass, logits, prompt log-probs, sampling, and the start of the read-back.
 
+Under tensor parallelism every rank has a runner over its shard and KV heads: the driver's `step` broadcasts the
+plan, each rank runs `forward` (the collectives are inside the model), and the driver alone samples.
+
 Nothing here waits for the GPU except `StepFuture.result()`, the one read-back per step. A token the previous
 step is still sampling is read on the device from that step's sampled tokens (the plan names the row), so the
 host can prepare step N+1 while the GPU runs step N. Decode steps (one new token per sequence) replay a CUDA
@@ -28,6 +31,7 @@ from flashpage.engine.step import SampledToken, SampleSpec, StepPlan, StepResult
 from flashpage.kv import allocate_kv_caches, kv_bytes_per_block
 from flashpage.loader import LoadedModel, load_model
 from flashpage.model import AttentionMetadata
+from flashpage.parallel.group import TensorParallel
 
 log = logging.getLogger("flashpage.runner")
 
@@ -97,10 +101,13 @@ def resolve_device(device: str) -> str:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None, reserve_per_block: int = 0):
+    def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None, reserve_per_block: int = 0,
+                 tp: TensorParallel | None = None):
         """Loads `cfg.model` (or serves `loaded`, a model already in memory: tests share one between engines) and
         allocates the KV cache, leaving `reserve_per_block` bytes per block it makes for a draft model's cache.
-        `self.cfg` is `cfg` with device, kernels and max_model_len resolved."""
+        `self.cfg` is `cfg` with device, kernels and max_model_len resolved. `tp`: this rank's place in a
+        tensor-parallel group (default: one rank)."""
+        self.tp = tp = tp or TensorParallel()
         device = resolve_device(cfg.device)
         # Triton kernels on the GPU; on CPU the interpreter would be far too slow
         kernels = cfg.kernels if cfg.kernels != "auto" else "triton" if device.startswith("cuda") else "cpu"
@@ -115,7 +122,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.cpu_threads or default_cpu_threads())
         if loaded is None:
             loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=device, seed=cfg.seed,
-                                revision=cfg.revision, gguf_file=cfg.gguf_file)
+                                revision=cfg.revision, gguf_file=cfg.gguf_file, tp=tp)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         limit = self.config.max_position_embeddings
         if cfg.max_model_len is not None and not 1 < cfg.max_model_len <= limit:
@@ -125,12 +132,13 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
+        self.num_blocks = tp.min(cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block))  # same on every rank
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                            c.num_key_value_heads, c.head_dim, self.dtype, self.device)
+                                            self.num_kv_heads, c.head_dim, self.dtype, self.device)
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
@@ -146,7 +154,7 @@ class ModelRunner:
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
-        per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, c.num_key_value_heads,
+        per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
                                                            c.head_dim, self.dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -164,6 +172,34 @@ class ModelRunner:
         `token_bitmask`, called once the forward pass is launched, gives the samples' grammar masks (host int32
         [samples, ceil(V / 32)], -1 for free rows), or None."""
         dev = self.device
+        if self.tp.size > 1:  # the other ranks need the sequences, not the samples (only this rank samples)
+            self.tp.broadcast_object(dataclasses.replace(plan, samples=[]))
+        logits, prompt_logits = self.forward(plan)
+        prompt = {seq_id: (targets, *self._prompt_logprobs(rows, targets, k))
+                  for seq_id, (rows, targets, k) in prompt_logits.items()}
+        picked = [spec.logits_row for spec in plan.samples]
+        if picked != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
+            logits = logits.index_select(0, upload(picked, torch.int64, dev))
+        self.last_logits = logits
+        draft_tokens = None
+        if any(spec.draft_token >= 0 for spec in plan.samples):
+            draft_tokens = upload([spec.draft_token for spec in plan.samples], torch.int64, dev)
+            draft_probs = draft_probs.index_select(0, upload([max(spec.draft_row, 0) for spec in plan.samples],
+                                                             torch.int64, dev))
+        bitmask = token_bitmask() if token_bitmask else None
+        if bitmask is not None:
+            bitmask = bitmask.to(dev, non_blocking=True)
+        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs,
+                              bitmask)
+        self.last_sampled = sampled.tokens
+        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda")
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, list[int], int]]]:
+        """What every rank runs of a step: block copies, inputs, the forward pass and the logits rows. Returns the
+        logits and, for sequences that asked for prompt log-probs, {seq_id: (their prompt rows' logits, the
+        targets, k)}."""
+        dev = self.device
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
             dst = upload([c.dst for c in plan.copies], torch.int64, dev)
@@ -176,7 +212,10 @@ class ModelRunner:
             prepare_inputs(plan, self.block_size, dev)
         ids, meta = inputs.ids, inputs.meta
         if inputs.from_last_step.numel():
-            ids[inputs.from_last_step[0::2]] = self.last_sampled[inputs.from_last_step[1::2]]
+            rows = inputs.from_last_step[1::2]  # (only the driver has sampled them)
+            tokens = self.last_sampled[rows].to(ids.dtype) if self.tp.rank == 0 else \
+                torch.empty(rows.shape, dtype=ids.dtype, device=dev)
+            ids[inputs.from_last_step[0::2]] = self.tp.broadcast(tokens)
         prompt = {}
         if graph_key:
             graph, logits = self.graphs[graph_key]
@@ -200,29 +239,14 @@ class ModelRunner:
             start = 0
             for s in seqs:
                 if s.prompt_logprobs is not None:
-                    prompt[s.seq_id] = (s.prompt_targets, *self._prompt_logprobs(
-                        hidden[start:start + len(s.prompt_targets)], s.prompt_targets, s.prompt_logprobs))
+                    prompt[s.seq_id] = (self.model.compute_logits(hidden[start:start + len(s.prompt_targets)]),
+                                        s.prompt_targets, s.prompt_logprobs)
                 start += len(s.token_ids)
-        picked = [spec.logits_row for spec in plan.samples]
-        if picked != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
-            logits = logits.index_select(0, upload(picked, torch.int64, dev))
-        self.last_logits = logits
-        draft_tokens = None
-        if any(spec.draft_token >= 0 for spec in plan.samples):
-            draft_tokens = upload([spec.draft_token for spec in plan.samples], torch.int64, dev)
-            draft_probs = draft_probs.index_select(0, upload([max(spec.draft_row, 0) for spec in plan.samples],
-                                                             torch.int64, dev))
-        bitmask = token_bitmask() if token_bitmask else None
-        if bitmask is not None:
-            bitmask = bitmask.to(dev, non_blocking=True)
-        sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs,
-                              bitmask)
-        self.last_sampled = sampled.tokens
-        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda")
+        return logits, prompt
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int):
-        """Log-probabilities of the prompt tokens `hidden`'s rows predict, and the top-k of each row."""
-        lp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+    def _prompt_logprobs(self, logits: torch.Tensor, targets: list[int], k: int):
+        """Log-probabilities of the prompt tokens that rows of `logits` predict, and the top-k of each row."""
+        lp = torch.log_softmax(logits, dim=-1)
         chosen = lp.gather(-1, upload(targets, torch.int64, self.device)[:, None])[:, 0]
         rank = (lp > chosen[:, None]).sum(-1) + 1
         if not k:

@@ -14,6 +14,7 @@ from flashpage.loader.hf_dir import HFModelDir
 from flashpage.loader.hub import is_hub_id, resolve_hub_model
 from flashpage.loader.presets import PRESETS, preset_config
 from flashpage.model.llama import LlamaForCausalLM
+from flashpage.parallel.group import TensorParallel
 from flashpage.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -67,36 +68,77 @@ def open_source(model: str, load_format: str = "auto", revision: str | None = No
     )
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Allocate the model directly in its final dtype on its device, without initialising it."""
+def model_config(cfg) -> ModelConfig:
+    """The shape of the model an EngineConfig names, read without loading weights."""
+    source = open_source(cfg.model, cfg.load_format, cfg.revision, cfg.gguf_file)
+    return preset_config(cfg.model) if source is None else source.config
+
+
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Allocate the model (this rank's shard of it, under tensor parallelism) directly in its final dtype on its
+    device, without initialising it."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp=tp)
     return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+
+
+def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each tensor of a transformers checkpoint of this shape, by name."""
+    q, kv, h, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size, \
+        c.intermediate_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    for i in range(c.num_hidden_layers):
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+                 "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+                 "mlp.down_proj.weight": (h, inter)}
+        if c.qkv_bias:
+            layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        if c.o_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if c.mlp_bias:
+            layer |= {"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)}
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    shapes["model.norm.weight"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
 
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
-    """Random weights scaled as the model's own init (normal(0, initializer_range), norms 1, biases 0)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights scaled as the model's own init (normal(0, initializer_range), norms 1, biases 0), drawn for
+    the whole checkpoint in one order and loaded like a checkpoint's, so every rank of a tensor-parallel group gets
+    its shard of the same model."""
+    param = next(model.parameters())
+    gen = torch.Generator(device=param.device).manual_seed(seed)
     std = model.config.initializer_range
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.fill_(1.0)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            p.normal_(0.0, std, generator=gen)
+
+    def tensors():
+        for name, shape in checkpoint_shapes(model.config).items():
+            t = torch.empty(shape, dtype=param.dtype, device=param.device)
+            if name.endswith("norm.weight"):
+                yield name, t.fill_(1.0)
+            elif name.endswith("bias"):
+                yield name, t.zero_()
+            else:
+                yield name, t.normal_(0.0, std, generator=gen)
+
+    model.load_weights(tensors())
 
 
 def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="cpu", seed: int = 0,
-               revision: str | None = None, gguf_file: str | None = None) -> LoadedModel:
+               revision: str | None = None, gguf_file: str | None = None,
+               tp: TensorParallel | None = None) -> LoadedModel:
+    """The model (this rank's shard under tensor parallelism `tp`), its config and tokenizer."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device='cpu'")
     torch_dtype = resolve_dtype(dtype, device)
     source = open_source(model, load_format, revision, gguf_file)
     config = preset_config(model) if source is None else source.config
-    net = build_empty(config, torch_dtype, device)
+    net = build_empty(config, torch_dtype, device, tp)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:

@@ -6,8 +6,8 @@ stream h is carried from layer to layer; each projection is one `ops.linear` tha
 RMSNorm before Q/K/V and before gate/up, SiLU-and-mul after gate/up, the residual add after o_proj and down_proj
 (at decode sizes, one Triton kernel each). Rotary embedding is fused with the KV-cache write. Q/K/V and gate/up
 are each one matmul; `load_weights` takes transformers' tensor names and hands each tensor to its parameter's
-module's `weight_loader`, which places it (the fused projections fill their slices; a tensor-parallel module can
-take its shard).
+module's `weight_loader`, which places it (the fused projections fill their slices) and, under tensor parallelism
+(`flashpage.parallel`), cuts out this rank's shard, so no rank holds more than its share and one tensor.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from flashpage.config import ModelConfig
 from flashpage.kernels import kernel_set
 from flashpage.kv import KVCache
 from flashpage.model.attention import AttentionMetadata, attention
 from flashpage.model.rope import rope_cos_sin, rope_inv_freq
+from flashpage.parallel.group import TensorParallel, head_shard
 
 
 class RMSNorm(nn.Module):
@@ -38,30 +40,85 @@ def weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: int | None =
     _copy_checked(param.data, tensor)
 
 
-def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor) -> None:
-    if tuple(tensor.shape) != tuple(dest.shape):
-        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-    dest.copy_(tensor)
+def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor, full_shape: tuple[int, ...] | None = None,
+                  dim: int = 0, start: int = 0) -> None:
+    """Copy `tensor` (checked to be `full_shape`, default dest's) into dest, or its slice from `start` along `dim`."""
+    expected = tuple(dest.shape) if full_shape is None else full_shape
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {expected}")
+    dest.copy_(tensor.narrow(dim, start, dest.shape[dim]) if full_shape is not None else tensor)
 
 
 class MergedLinear(nn.Linear):
-    """Several projections of one input stacked as one matmul (Q/K/V, gate/up); checkpoints store them apart."""
+    """Several projections of one input stacked as one matmul (Q/K/V, gate/up); checkpoints store them apart.
+    Column parallel: each rank holds rows [start, start + rows) of each projection; `shards` has (start, rows,
+    the projection's rows in the checkpoint) per projection."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool):
-        super().__init__(in_features, sum(output_sizes), bias=bias)
-        self.output_sizes = output_sizes
+    def __init__(self, in_features: int, shards: list[tuple[int, int, int]], bias: bool):
+        super().__init__(in_features, sum(rows for _, rows, _ in shards), bias=bias)
+        self.shards = shards
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
-        _copy_checked(param.data.narrow(0, sum(self.output_sizes[:shard]), self.output_sizes[shard]), tensor)
+        start, rows, full = self.shards[shard]
+        offset = sum(r for _, r, _ in self.shards[:shard])
+        _copy_checked(param.data.narrow(0, offset, rows), tensor, (full, *param.shape[1:]), 0, start)
+
+
+class RowParallelLinear(nn.Linear):
+    """o_proj and down_proj. Row parallel: each rank holds input columns [start, start + in_features) of the
+    checkpoint's `full_in`, multiplies its share of the input (what its column-parallel neighbour produced) and
+    the all-reduce sums the ranks' partial products; rank 0 alone adds the bias and the residual."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, start: int, full_in: int, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias=bias)
+        self.start, self.full_in, self.tp = start, full_in, tp
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+        if param.dim() == 1:  # the bias, whole on every rank
+            _copy_checked(param.data, tensor)
+        else:
+            _copy_checked(param.data, tensor, (param.shape[0], self.full_in), 1, self.start)
+
+    def residual_add(self, ops, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W.T + bias, whole on every rank (the module's own forward is nn.Linear's)."""
+        first = self.tp.rank == 0
+        out = ops.linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
+        return self.tp.all_reduce(out)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding, and the LM head's weight: each rank holds vocabulary rows [start, start + n), n =
+    ceil(vocab / ranks) (the last rank's rows past the vocabulary are zeros)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        rows = -(-vocab_size // tp.size)
+        super().__init__(rows, hidden_size)
+        self.vocab_size, self.start, self.tp = vocab_size, tp.rank * rows, tp
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
+        rows = max(0, min(param.shape[0], self.vocab_size - self.start))
+        param.data[rows:].zero_()
+        _copy_checked(param.data[:rows], tensor, (self.vocab_size, param.shape[1]), 0, self.start)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])  # another rank's rows: zeros here, summed in
+        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(h)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        heads, d = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, tp), cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        full_q, full_kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        q, kv = (heads.q_start * d, self.q_size, full_q), (heads.kv_start * d, self.kv_size, full_kv)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, heads.q_start * d, full_q, tp)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
 
@@ -73,29 +130,30 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = attention(ops, q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window)
-        return ops.linear(o.flatten(1), self.o_proj.weight, self.o_proj.bias, residual=h)
+        return self.o_proj.residual_add(ops, o.flatten(1), residual=h)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        start, rows = tp.shard(cfg.intermediate_size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [(start, rows, cfg.intermediate_size)] * 2, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, start, cfg.intermediate_size, tp)
 
     def forward(self, ops, h, norm: RMSNorm):
         """h + down(silu(gate(norm(h))) * up(norm(h)))."""
         act = ops.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
                          silu_mul=True)
-        return ops.linear(act, self.down_proj.weight, self.down_proj.bias, residual=h)
+        return self.down_proj.residual_add(ops, act, residual=h)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, ops, h, cos, sin, meta, kv_cache):
         h = self.self_attn(ops, h, self.input_layernorm, cos, sin, meta, kv_cache)
@@ -113,15 +171,17 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: str = "torch"):
+    def __init__(self, cfg: ModelConfig, kernels: str = "torch", tp: TensorParallel | None = None):
+        """`tp`: this rank's place in a tensor-parallel group (default: one rank, the whole model)."""
         super().__init__()
         self.config = cfg
+        self.tp = tp = tp or TensorParallel()
         self.ops = kernel_set(kernels)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied models read the embedding matrix at the head (a shared Parameter would not survive to_empty()).
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self._inv_freq = rope_inv_freq(cfg)  # CPU float32; not a buffer, so meta/dtype moves leave it exact
 
     def set_kernels(self, name: str) -> None:
@@ -141,9 +201,13 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of rows of `forward`'s output."""
+        """Float32 logits of rows of `forward`'s output (every rank gets all of them)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=torch.float32)
+        logits = self.ops.linear(hidden, weight, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=torch.float32)
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.gather_last_dim(logits)
+        return logits if logits.shape[-1] == self.config.vocab_size else logits[:, :self.config.vocab_size].contiguous()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand tensors named as in transformers to their parameters' loaders (any dtype/device; one at a time).
@@ -171,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {name!r} {e}") from None
             filled[target] = filled.get(target, 0) + 1
         missing = sorted(n for n in params if filled.get(n, 0) != len(getattr(
-            self.get_submodule(n.rpartition(".")[0]), "output_sizes", [n])))
+            self.get_submodule(n.rpartition(".")[0]), "shards", [n])))
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s): {shown}")

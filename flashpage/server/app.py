@@ -87,6 +87,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
     # ----- routes -----
     @app.get("/health")
     async def health():
+        if engine.failed:
+            raise APIError(503, str(engine.failed), "service_unavailable", 503)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from flashpage.engine.llm_engine import LLMEngine
 from flashpage.outputs import RequestOutput
+from flashpage.parallel.workers import WorkerFailed
 from flashpage.sampling_params import SamplingParams
 
 
@@ -42,6 +43,8 @@ class AsyncEngine:
         self._stop = False
         self._deadline = 0.0  # once stopping: when what still runs is aborted
         self.step_observers: list = []  # called from the engine thread with each step's token count
+        self.failed: WorkerFailed | None = None  # why the engine stopped for good (a tensor-parallel rank died)
+        self.on_failure = None  # called from the engine thread with that error (the server exits)
         self._stats_time = 0.0
         self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
         self._thread.start()
@@ -57,15 +60,17 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[Update]:
         """Updates for one request until it finishes. Leaving the iteration early aborts the request."""
-        with self._lock:
+        q = _Mailbox()
+        with self._lock:  # (the inbox is filled under the lock: a failing engine answers everything in it)
+            if self.failed:
+                raise EngineOverloaded(str(self.failed))
             if self._stop:
                 raise EngineOverloaded("the server is shutting down")
             if self.stats["num_waiting"] + self._pending >= self.max_waiting:
                 raise EngineOverloaded(f"too many waiting requests (max {self.max_waiting})")
             self._pending += 1
-        q = _Mailbox()
-        self._queues[request_id] = (q, asyncio.get_running_loop())
-        self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
+            self._queues[request_id] = (q, asyncio.get_running_loop())
+            self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
         self._wake.set()
         finished = False
         try:
@@ -112,6 +117,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = eng.step()
+            except WorkerFailed as e:
+                self._fail(e)
+                return
             except Exception as e:  # a failed step must not take the server down silently
                 for request_id in eng.unfinished_request_ids():
                     eng.abort_request(request_id)
@@ -123,6 +131,22 @@ class AsyncEngine:
             self._send_all([(out.request_id, Update(out, now)) for out in outputs])
             if now - self._stats_time > 0.1 or not eng.has_unfinished_requests():
                 self._refresh_stats()
+
+    def _fail(self, error: WorkerFailed) -> None:
+        """The engine cannot go on: every request, running or still in the inbox, gets the error (a 503)."""
+        with self._lock:
+            self.failed, self._stop = error, True
+        for request_id in self.engine.unfinished_request_ids():
+            self._send(request_id, RuntimeError(str(error)))
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg[0] == "add":
+                self._send(msg[1], RuntimeError(str(error)))
+        if self.on_failure:
+            self.on_failure(error)
 
     def _refresh_stats(self) -> None:
         """The engine's statistics, snapshotted for the event loop: at most ten times a second while busy (a

@@ -1,0 +1,1 @@
+"""Tensor parallelism: the group and its collectives (`group`), the ranks' processes (`workers`)."""

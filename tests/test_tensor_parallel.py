@@ -1,0 +1,195 @@
+"""Tensor parallelism on CPU over gloo: N ranks (processes) give what one rank gives.
+
+Every engine here with tensor_parallel_size > 1 starts its ranks as processes; each test shuts its engine down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from conftest import TINY, randomize_, rel_err
+
+from flashpage import LLM, BeamSearchParams, SamplingParams
+from flashpage.parallel.workers import WorkerFailed
+
+PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 1, 42], [300], list(range(20, 57))]  # odd lengths, one token
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoints, tmp_path_factory, smollm_gguf):
+    """name -> directory: GQA (8 query / 2 KV heads), MQA with QKV bias (1 KV head), tied embeddings with a
+    vocabulary no rank count divides (387), and a chat model (SmolLM2's tokenizer and vocabulary)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    out = {"gqa": tiny_checkpoints["llama3-rope-scaling"][0], "mqa": tiny_checkpoints["qwen2-bias"][0]}
+    for name, cfg in {"tied-387": LlamaConfig(**{**TINY, "vocab_size": 387}, tie_word_embeddings=True),
+                      "chat": LlamaConfig(**{**TINY, "vocab_size": 49152})}.items():
+        torch.manual_seed(7)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        randomize_(model, seed=7)
+        out[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(out[name])
+    AutoTokenizer.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name).save_pretrained(out["chat"])
+    return {name: str(path) for name, path in out.items()}
+
+
+def run(llm: LLM, prompts, params, **kw):
+    outs = llm.generate(prompts, params, use_tqdm=False, **kw)
+    return [[(o.token_ids, o.cumulative_logprob) for o in out.outputs] for out in outs], outs
+
+
+@pytest.mark.parametrize("name, size", [("gqa", 2), ("gqa", 4), ("mqa", 4), ("tied-387", 2)])
+def test_ranks_give_the_tokens_and_logits_of_one(checkpoints, name, size):
+    params = SamplingParams(max_tokens=10, temperature=0, prompt_logprobs=3, logprobs=3)
+    results = {}
+    for tp in (1, size):
+        llm = LLM(checkpoints[name], device="cpu", tensor_parallel_size=tp, seed=0)
+        try:
+            tokens, outs = run(llm, PROMPTS, params)
+            results[tp] = tokens, outs, llm.engine.runner.last_logits.clone()
+        finally:
+            llm.shutdown()
+    (tokens_1, outs_1, logits_1), (tokens_n, outs_n, logits_n) = results[1], results[size]
+    assert [[t for t, _ in s] for s in tokens_n] == [[t for t, _ in s] for s in tokens_1]
+    assert logits_n.shape == logits_1.shape and logits_1.shape[-1] == (387 if name == "tied-387" else 384)
+    assert rel_err(logits_n, logits_1) < 1e-5
+    for a, b in zip(outs_n, outs_1):  # prompt log-probs go through the gathered logits too
+        for pos_a, pos_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            assert list(pos_a) == list(pos_b)
+            assert [e.logprob for e in pos_a.values()] == pytest.approx([e.logprob for e in pos_b.values()], rel=1e-5)
+
+
+def test_engine_features_under_two_ranks(checkpoints):
+    """Chunked prefill, prefix caching, preemption (a cache too small for the batch), n > 1 and beam search."""
+    shared = list(range(100, 148))  # three blocks of common prefix
+    prompts = [shared + [i, i + 1, i + 2] for i in range(6)] + PROMPTS
+    sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=12)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    settings = dict(device="cpu", seed=0, max_num_batched_tokens=32, num_gpu_blocks=10, block_size=16)
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(checkpoints["gqa"], tensor_parallel_size=tp, **settings)
+        try:
+            out = run(llm, prompts, greedy)[0] + run(llm, prompts[:3], sampled)[0]
+            beams = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=6))
+            results[tp] = out, [(s.tokens, s.cum_logprob) for s in beams[0].sequences], llm.stats()
+        finally:
+            llm.shutdown()
+    (out_1, beams_1, stats_1), (out_2, beams_2, stats_2) = results[1], results[2]
+    assert [[t for t, _ in s] for s in out_2] == [[t for t, _ in s] for s in out_1]
+    assert [t for t, _ in beams_2] == [t for t, _ in beams_1]
+    assert stats_2["num_preemptions"] == stats_1["num_preemptions"] > 0
+    assert stats_2["prefix_cache_hits"] == stats_1["prefix_cache_hits"] > 0
+
+
+def test_smollm2_over_three_ranks(smollm_llm, smollm_gguf):
+    """The default model (9 query / 3 KV heads: 3 ranks, one KV head each) from its GGUF, float32."""
+    params = SamplingParams(max_tokens=16, temperature=0)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    ref = [o.outputs[0].token_ids for o in smollm_llm.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(smollm_gguf), dtype="float32", device="cpu", tensor_parallel_size=3)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+    finally:
+        llm.shutdown()
+
+
+def test_bad_sizes_fail_before_anything_starts(checkpoints, monkeypatch):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split .* \(8 query, 2 key/value\)"):
+        LLM(checkpoints["gqa"], device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs on this host, which has 0"):
+        LLM(checkpoints["gqa"], device="cuda", tensor_parallel_size=2)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"torchrun started 4 ranks .* tensor_parallel_size=2"):
+        LLM(checkpoints["gqa"], device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(checkpoints["gqa"], device="cpu", tensor_parallel_size=0)
+
+
+def test_a_killed_worker_ends_the_run_with_a_clear_error(checkpoints):
+    llm = LLM(checkpoints["gqa"], device="cpu", tensor_parallel_size=2)
+    engine = llm.engine
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(engine.workers.processes[0].pid, signal.SIGKILL)
+    start = time.perf_counter()
+    with pytest.raises(WorkerFailed, match="rank 1 exited with signal SIGKILL"):
+        while time.perf_counter() - start < 30:
+            engine.step()
+    assert time.perf_counter() - start < 10
+    with pytest.raises(WorkerFailed, match="stopped"):
+        engine.step()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_under_torchrun(checkpoints, tmp_path):
+    """`torchrun --nnodes 2` on loopback, one rank per "node": rank 0 prints what one rank alone generates."""
+    ref = LLM(checkpoints["chat"], device="cpu").generate("Hello there", SamplingParams(max_tokens=8, temperature=0),
+                                                          use_tqdm=False)
+    port = _free_port()
+    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",  # noqa: E731
+                        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m",
+                        "flashpage", "generate", "Hello there", "--model", checkpoints["chat"], "--device", "cpu",
+                        "--max-tokens", "8", "--tensor-parallel-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for node in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[0][0].strip() == ref[0].outputs[0].text.strip() != ""
+    assert outs[1][0].strip() == ""  # the worker rank prints nothing
+
+
+def test_server_answers_503_and_exits_when_a_worker_dies(checkpoints):
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "flashpage", "serve", "--model", checkpoints["chat"], "--device",
+                               "cpu", "--port", str(port), "--tensor-parallel-size", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.time() < deadline and server.poll() is None, "server did not start"
+                time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+        workers = [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(workers) == 1
+
+        def complete(max_tokens: int):
+            body = json.dumps({"model": checkpoints["chat"], "prompt": "Hi", "max_tokens": max_tokens}).encode()
+            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.load(r)
+            except urllib.error.HTTPError as e:
+                return e.code, json.load(e)
+
+        assert complete(4)[0] == 200
+        os.kill(workers[0], signal.SIGKILL)
+        status, body = complete(4)
+        assert status == 503 and "tensor-parallel" in body["error"]["message"], body
+        assert server.wait(timeout=30) != 0
+    finally:
+        server.kill()
+        server.wait()
