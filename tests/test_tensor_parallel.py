@@ -70,12 +70,14 @@ def test_ranks_give_the_tokens_and_logits_of_one(checkpoints, name, size):
 
 
 def test_engine_features_under_two_ranks(checkpoints):
-    """Chunked prefill, prefix caching, preemption (a cache too small for the batch), n > 1 and beam search."""
+    """Chunked prefill, prefix caching, preemption (a cache too small for the batch), n > 1, beam search and
+    speculative decoding (prompt lookup: verify steps of several tokens per sequence)."""
     shared = list(range(100, 148))  # three blocks of common prefix
     prompts = [shared + [i, i + 1, i + 2] for i in range(6)] + PROMPTS
     sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=12)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    settings = dict(device="cpu", seed=0, max_num_batched_tokens=32, num_gpu_blocks=10, block_size=16)
+    settings = dict(device="cpu", seed=0, max_num_batched_tokens=32, num_gpu_blocks=10, block_size=16,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     results = {}
     for tp in (1, 2):
         llm = LLM(checkpoints["gqa"], tensor_parallel_size=tp, **settings)
@@ -90,6 +92,33 @@ def test_engine_features_under_two_ranks(checkpoints):
     assert [t for t, _ in beams_2] == [t for t, _ in beams_1]
     assert stats_2["num_preemptions"] == stats_1["num_preemptions"] > 0
     assert stats_2["prefix_cache_hits"] == stats_1["prefix_cache_hits"] > 0
+    assert stats_2["spec_num_accepted_tokens"] == stats_1["spec_num_accepted_tokens"] > 0
+
+
+def test_each_rank_loads_its_shard_of_one_dummy_model():
+    """Dummy weights are drawn whole in one order, so the ranks' shards put together are the one-rank model; a
+    rank holds about 1/N of it."""
+    from flashpage.loader import build_empty, init_dummy_weights
+    from flashpage.loader.presets import preset_config
+    from flashpage.parallel.group import TensorParallel
+
+    cfg = preset_config("smollm2-135m")
+    cfg.num_hidden_layers = 2
+    whole = build_empty(cfg, torch.float32, torch.device("cpu"))
+    init_dummy_weights(whole, seed=3)
+    ranks = [build_empty(cfg, torch.float32, torch.device("cpu"), TensorParallel(r, 3)) for r in range(3)]
+    for m in ranks:
+        init_dummy_weights(m, seed=3)
+        assert sum(p.numel() for p in m.parameters()) < 0.4 * sum(p.numel() for p in whole.parameters())
+    attn = [m.layers[1].self_attn for m in ranks]
+    full = whole.layers[1].self_attn
+    q, kv = full.q_size, full.kv_size
+    q_shards = [a.qkv_proj.weight[:a.q_size] for a in attn]
+    k_shards = [a.qkv_proj.weight[a.q_size:a.q_size + a.kv_size] for a in attn]
+    assert torch.equal(torch.cat(q_shards), full.qkv_proj.weight[:q])
+    assert torch.equal(torch.cat(k_shards), full.qkv_proj.weight[q:q + kv])
+    assert torch.equal(torch.cat([a.o_proj.weight for a in attn], 1), full.o_proj.weight)
+    assert torch.equal(torch.cat([m.embed_tokens.weight for m in ranks]), whole.embed_tokens.weight)
 
 
 def test_smollm2_over_three_ranks(smollm_llm, smollm_gguf):

@@ -74,19 +74,23 @@ class Workers:
         return WorkerFailed(message)
 
     def shutdown(self) -> None:
-        """Tell every rank to stop (they leave the worker loop and exit), then release the process group."""
+        """Stop the other ranks, then release the process group. Ranks this process started are terminated (they
+        may be waiting in any collective, say after Ctrl-C mid-step); torchrun's are told to leave their loop."""
         if self.stopped:
             return
         self.stopped = True
-        if all(p.is_alive() for p in self.processes):
+        if self.processes:
+            for p in self.processes:
+                p.terminate()
+            for p in self.processes:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        else:
             try:
                 self.tp.broadcast_object(None)
             except RuntimeError:
                 pass  # a rank is gone: the others fail on their own collective
-        for p in self.processes:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
         dist.destroy_process_group()
 
 
