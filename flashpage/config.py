@@ -37,6 +37,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     architecture: str = "llama"
     initializer_range: float = 0.02
+    quantization: str | None = None  # how the checkpoint's weights are stored: None, or "fp8" (flashpage.model.fp8)
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -96,6 +97,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             architecture=arch,
             initializer_range=cfg.get("initializer_range", 0.02),
+            quantization=checkpoint_quantization(cfg),
         )
 
     def num_parameters(self) -> int:
@@ -106,3 +108,17 @@ class ModelConfig:
         layer = qkv + self.num_attention_heads * d * h + 3 * h * i + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + embed + h
+
+
+def checkpoint_quantization(hf_config: dict) -> str | None:
+    """The quantization a transformers config.json declares: None or "fp8"; ValueError for one flashpage
+    cannot read."""
+    q = hf_config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method != "fp8" or q.get("weight_block_size"):
+        what = f"{method!r}" + (f" with weight_block_size {q['weight_block_size']}" if q.get("weight_block_size") else "")
+        raise ValueError(f"the checkpoint's quantization_config (quant_method {what}) is not supported; flashpage "
+                         f"reads quant_method 'fp8' with per-tensor or per-channel weight scales")
+    return "fp8"

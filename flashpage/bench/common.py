@@ -19,14 +19,12 @@ from flashpage.loader import LoadedModel
 from flashpage.sampling_params import SamplingParams
 
 
-def checkpoint_params(config, matrices_in_layers: bool = False) -> int:
-    """Parameters of the whole model (whatever share of it this process holds), or of its layers' matrices alone."""
+def layer_matrix_params(config) -> int:
+    """Parameters of the whole model's layer matrices (the projections), whatever share of it this process holds."""
     from flashpage.loader import checkpoint_shapes
 
-    shapes = checkpoint_shapes(config)
-    if matrices_in_layers:
-        shapes = {name: shape for name, shape in shapes.items() if ".layers." in name and len(shape) == 2}
-    return sum(math.prod(shape) for shape in shapes.values())
+    return sum(math.prod(shape) for name, shape in checkpoint_shapes(config).items()
+               if ".layers." in name and len(shape) == 2)
 
 
 def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 200, graph: bool = True) -> float:

@@ -10,7 +10,8 @@ On random ("dummy") weights of a real shape (llama-3-8b bf16 by default), in one
 6. greedy agreement: the first 16 tokens of a few prompts against transformers, with where they first diverge
    and the reference's logit margin there.
 Prints a table and writes JSON with `--out`. With `--tensor-parallel-size N` the model is split over N GPUs and
-the floor is the weights over N copy engines; the peers, which hold the whole model on one GPU, are left out.
+the floor is the weights over N copy engines; the peers, which hold the whole model on one GPU, are left out. With
+`--quantization fp8` the floor counts the FP8 weights' bytes, and the peers (16-bit systems) are left out too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import checkpoint_params, copy_bandwidth_tbs, median_ms
+from flashpage.bench.common import copy_bandwidth_tbs, median_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative-config", type=json.loads, default=None,
                    help="flashpage speculates (JSON, as the engine setting); acceptance is reported")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting)")
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -46,27 +48,27 @@ def main(argv: list[str] | None = None) -> int:
         p.error("needs a CUDA GPU")
     skip = set(filter(None, args.skip.split(",")))
     tp = args.tensor_parallel_size
-    if tp > 1:
+    if tp > 1 or args.quantization:
         skip |= {"gpt-fast", "transformers", "check"}
     from flashpage import LLM, SamplingParams
 
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
                "dtype": args.dtype, "batch_size": args.batch_size, "input_len": args.input_len,
-               "output_len": args.output_len, "tensor_parallel_size": tp}
+               "output_len": args.output_len, "tensor_parallel_size": tp, "quantization": args.quantization}
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              speculative_config=args.speculative_config, tensor_parallel_size=tp)
+              speculative_config=args.speculative_config, tensor_parallel_size=tp, quantization=args.quantization)
     vocab = llm.config.vocab_size
     first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     results["start_to_first_token_s"] = time.perf_counter() - t0
     assert len(first[0].outputs[0].token_ids) == 1
-    model = llm.engine.runner.model  # (rank 0's shard)
-    weight_bytes = checkpoint_params(llm.config) * next(model.parameters()).element_size()
+    model = llm.engine.runner.model  # (rank 0's shard; the ranks' shards are the same size)
+    weight_bytes = tp * sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth_tbs()
     results.update(weight_bytes=weight_bytes, copy_tbs=bw, floor_ms=weight_bytes / (tp * bw * 1e12) * 1e3)
-    if tp == 1:
+    if tp == 1 and not args.quantization:
         results["matmuls_only_ms"] = matmuls_ms(model, args.batch_size)
 
     prompts = torch.randint(vocab, (args.batch_size, args.input_len), generator=gen)
@@ -205,7 +207,8 @@ def greedy_check(llm, hf, vocab: int, gen: torch.Generator, lengths=(5, 37, 128,
 
 def report(r: dict) -> None:
     floor = r["floor_ms"]
-    print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}, batch {r['batch_size']}, {r['input_len']} prompt "
+    print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}{' FP8 weights' if r.get('quantization') else ''}, "
+          f"batch {r['batch_size']}, {r['input_len']} prompt "
           f"tokens, {r['output_len']} generated")
     print(f"engine start to first token: {r['start_to_first_token_s']:.1f} s")
     tp = r.get("tensor_parallel_size", 1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import checkpoint_params, matmul_tflops
+from flashpage.bench.common import layer_matrix_params, matmul_tflops
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting); the "
+                   "compute floor stays the bf16 one")
     p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(llm.config.vocab_size, (args.num_prompts, args.input_len), generator=gen)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -58,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
          "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
          "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_output_tok_s": generated / elapsed,
          "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {},
-         "tensor_parallel_size": args.tensor_parallel_size}
+         "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization}
     r["matmul_tflops"] = matmul_tflops()
     r["compute_floor_s"] = matmul_flops(llm.config, prompts.numel() + generated, generated) / (
         args.tensor_parallel_size * r["matmul_tflops"] * 1e12)
 
-    sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b] if args.tensor_parallel_size == 1 else []
+    whole_16_bit = args.tensor_parallel_size == 1 and not args.quantization  # what transformers can be given
+    sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b] if whole_16_bit else []
     if sizes:
         from flashpage.bench.peers import to_transformers
 
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 def matmul_flops(config, tokens: int, sampled: int) -> float:
     """2 FLOPs per weight per token for the decoder's projections, and for the LM head per sampled token."""
     head = config.vocab_size * config.hidden_size
-    body = checkpoint_params(config, matrices_in_layers=True)
+    body = layer_matrix_params(config)
     return 2.0 * (body * tokens + head * sampled)
 
 

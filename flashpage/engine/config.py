@@ -47,6 +47,8 @@ class EngineConfig:
                                              "physical cores this process may use)")
     deterministic: bool = _setting(False, "batch-invariant kernels: a request's tokens and log-probs are the same "
                                    "whatever else is batched (CUDA)")
+    quantization: str | None = _setting(None, "fp8: FP8 (e4m3) weights, quantized as they load, and per-token FP8 "
+                                        "activations (default: as the checkpoint is stored)", ("fp8",))
     tensor_parallel_size: int = _setting(1, "split the model over this many ranks, one process per GPU (CPU: "
                                          "processes over gloo); under torchrun, its world size")
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
@@ -65,7 +67,7 @@ class EngineConfig:
             if not ok:
                 raise ParameterError(f.name, f"engine setting {f.name} must be {kind.__name__}"
                                      f"{' or None' if optional else ''}, got {value!r}")
-            if f.metadata["choices"] and value not in f.metadata["choices"]:
+            if f.metadata["choices"] and value is not None and value not in f.metadata["choices"]:
                 raise ParameterError(f.name, f"engine setting {f.name} must be one of {', '.join(f.metadata['choices'])}"
                                      f", got {value!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

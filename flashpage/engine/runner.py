@@ -122,7 +122,7 @@ class ModelRunner:
             torch.set_num_threads(cfg.cpu_threads or default_cpu_threads())
         if loaded is None:
             loaded = load_model(cfg.model, load_format=cfg.load_format, dtype=cfg.dtype, device=device, seed=cfg.seed,
-                                revision=cfg.revision, gguf_file=cfg.gguf_file, tp=tp)
+                                revision=cfg.revision, gguf_file=cfg.gguf_file, tp=tp, quantization=cfg.quantization)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         limit = self.config.max_position_embeddings
         if cfg.max_model_len is not None and not 1 < cfg.max_model_len <= limit:

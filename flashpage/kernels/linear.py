@@ -6,7 +6,9 @@ CUDA graph every small kernel between two matmuls costs a few microseconds. This
 that come after each projection of a decoder layer, without adding work to the loop that streams the weight:
 - SiLU-and-mul of the output of a fused [gate | up] projection: a program owns gate columns j and their up
   columns I + j, and writes silu(gate) * up, so the [M, 2I] intermediate never exists;
-- bias, the residual add (one rounding, as torch.addmm), and the output dtype (float32 logits from the LM head).
+- bias, the residual add (one rounding, as torch.addmm), and the output dtype (float32 logits from the LM head);
+- FP8 (e4m3) weights with one scale per output feature: a tile is converted to the activations' dtype in
+  registers and the scales multiply the float32 sums, so the loop streams half the bytes of a 16-bit weight.
 The RMSNorm before a projection stays a kernel of its own: each program would have to read the whole input rows
 before its first product, and that costs more than the launch it saves (measured: docs/kernel-notes.md).
 A program owns BLOCK_N output features of BLOCK_M rows and walks all of K (no split-K, no atomics). At decode
@@ -36,9 +38,9 @@ MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
 @triton.jit
 def _linear_kernel(
-    X, W, Bias, Residual, Out,
+    X, W, WScale, Bias, Residual, Out,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
-    SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SILU_MUL: tl.constexpr, FP8_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,18 +57,22 @@ def _linear_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = col_ok[:, None] & k_ok[None, :]
-        acc += _dot(x, tl.trans(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0)), UPCAST)
+        acc += _dot(x, tl.trans(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(x.dtype)), UPCAST)
         if SILU_MUL:
-            up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0)
+            up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0).to(x.dtype)
             acc_up += _dot(x, tl.trans(up), UPCAST)
+    if FP8_WEIGHT:
+        acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up *= tl.load(WScale + N + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
             acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:  # rounded like the unfused path: gate and up in the model dtype, then silu(gate), then the product
-        gate = acc.to(W.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(W.dtype.element_ty).to(tl.float32)
-        acc = act * acc_up.to(W.dtype.element_ty).to(tl.float32)
+        gate = acc.to(X.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(X.dtype.element_ty).to(tl.float32)
     out_ok = row_ok[:, None] & col_ok[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=out_ok,
@@ -80,15 +86,17 @@ def _tiles(silu_mul: bool) -> tuple[int, int, int, int]:
     return (32, 256, 4, 3) if silu_mul else (32, 512, 4, 4)
 
 
-def skinny_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, tiles=None):
-    """x [M <= 16, K], weight [N, K] -> [M, N] (or [M, N / 2] with silu_mul); see the module docstring.
-    `tiles` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+def skinny_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, weight_scale=None,
+                  tiles=None):
+    """x [M <= 16, K], weight [N, K] -> [M, N] (or [M, N / 2] with silu_mul); an FP8 weight comes with its
+    `weight_scale` [N]. See the module docstring. `tiles` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}")
-    return _linear(x, weight, bias, silu_mul, residual, out_dtype, (MAX_ROWS, *(tiles or _tiles(silu_mul))))
+    return _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale,
+                   (MAX_ROWS, *(tiles or _tiles(silu_mul))))
 
 
-def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None):
+def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, weight_scale=None):
     """As skinny_linear, for any number of rows, each row's result independent of the others (module docstring)."""
     m = x.shape[0]
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of the sweep's shapes at each size on an H100
@@ -98,10 +106,10 @@ def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out
         tiles = (MAX_ROWS, *_tiles(silu_mul))
     else:
         tiles = (64, 64, 128, 4, 3) if m <= 128 else (128, 128, 64, 8, 3)
-    return _linear(x, weight, bias, silu_mul, residual, out_dtype, tiles)
+    return _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles)
 
 
-def _linear(x, weight, bias, silu_mul, residual, out_dtype, tiles):
+def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles):
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -116,8 +124,9 @@ def _linear(x, weight, bias, silu_mul, residual, out_dtype, tiles):
     res = residual if residual is not None else out
     unused = weight  # stands in for the optional pointers the variant does not read
     _linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, weight, unused if bias is None else bias, res, out, m, n, k, x.stride(0), weight.stride(0), res.stride(0),
-        out.stride(0), SILU_MUL=silu_mul, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        x, weight, unused if weight_scale is None else weight_scale, unused if bias is None else bias, res, out, m, n,
+        k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), SILU_MUL=silu_mul,
+        FP8_WEIGHT=weight_scale is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashpage.kernels.fp8 import quantize_rows, scaled_linear
+
 
 def attention_mask(len_q: int, len_k: int, causal: bool, window_size, device) -> torch.Tensor | None:
     """Boolean [len_q, len_k]; queries are the last len_q of len_k positions (bottom-right aligned)."""
@@ -76,16 +78,24 @@ def silu_and_mul(x):
     return F.silu(gate) * up
 
 
-def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None):
-    """A projection with its decoder-layer neighbours: [silu_and_mul](norm(x) @ weight.T + bias) + residual."""
-    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype)
+def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
+           weight_scale=None):
+    """A projection with its decoder-layer neighbours: [silu_and_mul](norm(x) @ weight.T + bias) + residual.
+    With `weight_scale` [N] the weight is FP8 (e4m3), one scale per output feature (`flashpage.kernels.fp8`)."""
+    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
+                           weight_scale)
 
 
-def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype):
+def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
+                    weight_scale=None, quantize_rows=quantize_rows):
     """`linear` from separate kernels (these references, or Triton's above the fused kernel's row limit)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    if residual is not None:  # one rounding for product and sum
+    if weight_scale is not None:  # FP8: activations quantized per token
+        y = scaled_linear(x, weight, weight_scale, quantize_rows)
+        y = y if bias is None else y + bias
+        y = y if residual is None else y + residual
+    elif residual is not None:  # one rounding for product and sum
         y = torch.addmm(residual if bias is None else residual + bias, x, weight.t())
     else:
         y = F.linear(x, weight, bias)

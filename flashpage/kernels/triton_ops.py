@@ -9,6 +9,7 @@ from flashpage.kernels.attention import flash_attn_varlen, paged_attention
 from flashpage.kernels.cache import reshape_and_cache
 from flashpage.kernels.linear import MAX_ROWS, skinny_linear
 from flashpage.kernels.norm import rms_norm
+from flashpage.kernels.quantize import quantize_rows
 from flashpage.kernels.reference import composed_linear, greedy
 from flashpage.kernels.rotary import rope_and_cache
 from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, sample
@@ -17,12 +18,16 @@ __all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greed
            "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul"]
 
 
-def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None):
-    """Up to 16 rows of 16-bit data (decode): the norm kernel, then one kernel that streams the weight with the
-    rest fused. Otherwise cuBLAS between the Triton norm and activation kernels; float32 too, whose tensor-core
-    products would round to tf32."""
+def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
+           weight_scale=None):
+    """Up to 16 rows of 16-bit data (decode): the norm kernel, then one kernel that streams the weight (FP8 ones
+    dequantized in registers) with the rest fused. Otherwise cuBLAS (FP8: cuBLASLt's scaled matmul, activations
+    quantized per token) between the Triton norm and activation kernels; float32 too, whose tensor-core products
+    would round to tf32."""
     if x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16):
         if norm_weight is not None:
             x = rms_norm(x, norm_weight, eps)
-        return skinny_linear(x, weight, bias, silu_mul=silu_mul, residual=residual, out_dtype=out_dtype)
-    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype)
+        return skinny_linear(x, weight, bias, silu_mul=silu_mul, residual=residual, out_dtype=out_dtype,
+                             weight_scale=weight_scale)
+    return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
+                           weight_scale, quantize_rows)

@@ -13,6 +13,7 @@ from flashpage.loader.gguf_file import GGUFModel
 from flashpage.loader.hf_dir import HFModelDir
 from flashpage.loader.hub import is_hub_id, resolve_hub_model
 from flashpage.loader.presets import PRESETS, preset_config
+from flashpage.model.fp8 import QUANTIZATIONS, use_fp8_weights
 from flashpage.model.llama import LlamaForCausalLM
 from flashpage.parallel.group import TensorParallel
 from flashpage.tokenizer import Tokenizer
@@ -74,13 +75,15 @@ def model_config(cfg) -> ModelConfig:
     return preset_config(cfg.model) if source is None else source.config
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
+                quantization: str | None = None) -> LlamaForCausalLM:
     """Allocate the model (this rank's shard of it, under tensor parallelism) directly in its final dtype on its
-    device, without initialising it."""
+    device, without initialising it; with quantization="fp8", its layers' projections in FP8."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp=tp)
-    return model.to(dtype).to_empty(device=device).eval().requires_grad_(False)
+        model = LlamaForCausalLM(config, tp=tp).to(dtype)
+        if quantization == "fp8":
+            use_fp8_weights(model)
+    return model.to_empty(device=device).eval().requires_grad_(False)
 
 
 def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -130,15 +133,22 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 
 def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="cpu", seed: int = 0,
                revision: str | None = None, gguf_file: str | None = None,
-               tp: TensorParallel | None = None) -> LoadedModel:
-    """The model (this rank's shard under tensor parallelism `tp`), its config and tokenizer."""
+               tp: TensorParallel | None = None, quantization: str | None = None) -> LoadedModel:
+    """The model (this rank's shard under tensor parallelism `tp`), its config and tokenizer. `quantization`
+    ("fp8"): quantize the layers' weights as they load (a checkpoint stored in FP8 loads in FP8 anyway)."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device='cpu'")
     torch_dtype = resolve_dtype(dtype, device)
     source = open_source(model, load_format, revision, gguf_file)
     config = preset_config(model) if source is None else source.config
-    net = build_empty(config, torch_dtype, device, tp)
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}")
+    quantization = quantization or config.quantization
+    if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"quantization 'fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
+    net = build_empty(config, torch_dtype, device, tp, quantization)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:

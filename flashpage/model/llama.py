@@ -22,6 +22,7 @@ from flashpage.config import ModelConfig
 from flashpage.kernels import kernel_set
 from flashpage.kv import KVCache
 from flashpage.model.attention import AttentionMetadata, attention
+from flashpage.model.fp8 import UNUSED_TENSORS, load_scale, place
 from flashpage.model.rope import rope_cos_sin, rope_inv_freq
 from flashpage.parallel.group import TensorParallel, head_shard
 
@@ -41,12 +42,13 @@ def weight_loader(param: nn.Parameter, tensor: torch.Tensor, shard: int | None =
 
 
 def _copy_checked(dest: torch.Tensor, tensor: torch.Tensor, full_shape: tuple[int, ...] | None = None,
-                  dim: int = 0, start: int = 0) -> None:
-    """Copy `tensor` (checked to be `full_shape`, default dest's) into dest, or its slice from `start` along `dim`."""
+                  dim: int = 0, start: int = 0, scale: torch.Tensor | None = None) -> None:
+    """Copy `tensor` (checked to be `full_shape`, default dest's) into dest, or its slice from `start` along `dim`
+    (`scale`: dest's rows' scales, where dest is an FP8 weight)."""
     expected = tuple(dest.shape) if full_shape is None else full_shape
     if tuple(tensor.shape) != expected:
         raise ValueError(f"has shape {tuple(tensor.shape)}, expected {expected}")
-    dest.copy_(tensor.narrow(dim, start, dest.shape[dim]) if full_shape is not None else tensor)
+    place(dest, tensor.narrow(dim, start, dest.shape[dim]) if full_shape is not None else tensor, scale)
 
 
 class MergedLinear(nn.Linear):
@@ -57,11 +59,17 @@ class MergedLinear(nn.Linear):
     def __init__(self, in_features: int, shards: list[tuple[int, int, int]], bias: bool):
         super().__init__(in_features, sum(rows for _, rows, _ in shards), bias=bias)
         self.shards = shards
+        self.register_parameter("weight_scale", None)  # FP8 weights' (flashpage.model.fp8)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
         start, rows, full = self.shards[shard]
         offset = sum(r for _, r, _ in self.shards[:shard])
-        _copy_checked(param.data.narrow(0, offset, rows), tensor, (full, *param.shape[1:]), 0, start)
+        if param is self.weight_scale:
+            load_scale(param.data.narrow(0, offset, rows), tensor, full, start)
+            return
+        scale = self.weight_scale.data.narrow(0, offset, rows) if param is self.weight and \
+            self.weight_scale is not None else None
+        _copy_checked(param.data.narrow(0, offset, rows), tensor, (full, *param.shape[1:]), 0, start, scale)
 
 
 class RowParallelLinear(nn.Linear):
@@ -72,17 +80,21 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, start: int, full_in: int, tp: TensorParallel):
         super().__init__(in_features, out_features, bias=bias)
         self.start, self.full_in, self.tp = start, full_in, tp
+        self.register_parameter("weight_scale", None)  # FP8 weights' (flashpage.model.fp8)
 
     def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: int | None = None) -> None:
-        if param.dim() == 1:  # the bias, whole on every rank
+        if param is self.weight_scale:  # (a row's scale covers every rank's part of it)
+            load_scale(param.data, tensor, param.shape[0], 0)
+        elif param.dim() == 1:  # the bias, whole on every rank
             _copy_checked(param.data, tensor)
         else:
-            _copy_checked(param.data, tensor, (param.shape[0], self.full_in), 1, self.start)
+            _copy_checked(param.data, tensor, (param.shape[0], self.full_in), 1, self.start, self.weight_scale)
 
     def residual_add(self, ops, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W.T + bias, whole on every rank (the module's own forward is nn.Linear's)."""
         first = self.tp.rank == 0
-        out = ops.linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
+        out = ops.linear(x, self.weight, self.bias if first else None, residual=residual if first else None,
+                         weight_scale=self.weight_scale)
         return self.tp.all_reduce(out)
 
 
@@ -124,7 +136,8 @@ class Attention(nn.Module):
 
     def forward(self, ops, h, norm: RMSNorm, cos, sin, meta, kv_cache):
         """h + attention(norm(h))."""
-        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                         weight_scale=self.qkv_proj.weight_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -143,7 +156,7 @@ class MLP(nn.Module):
     def forward(self, ops, h, norm: RMSNorm):
         """h + down(silu(gate(norm(h))) * up(norm(h)))."""
         act = ops.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
-                         silu_mul=True)
+                         silu_mul=True, weight_scale=self.gate_up_proj.weight_scale)
         return self.down_proj.residual_add(ops, act, residual=h)
 
 
@@ -221,6 +234,8 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy of the embedding
+            if name.endswith(UNUSED_TENSORS):
+                continue
             target, shard = name, None
             for frag, (fused, idx) in _STACKED.items():
                 if frag in name:
@@ -234,6 +249,9 @@ class LlamaForCausalLM(nn.Module):
             except ValueError as e:
                 raise ValueError(f"tensor {name!r} {e}") from None
             filled[target] = filled.get(target, 0) + 1
+            if params[target].dtype != tensor.dtype and target.endswith(".weight") and \
+                    f"{target}_scale" in params:  # quantized as it loaded: its scales are filled too
+                filled[f"{target}_scale"] = filled.get(f"{target}_scale", 0) + 1
         missing = sorted(n for n in params if filled.get(n, 0) != len(getattr(
             self.get_submodule(n.rpartition(".")[0]), "shards", [n])))
         if missing:

@@ -1,0 +1,36 @@
+"""FP8 (e4m3) linear layers: weights quantized per output channel, activations per token (row), both scaled by
+their largest magnitude over 448 (e4m3's largest finite value).
+
+A product y = x @ W.T with W = Wq * s_w[:, None] and x = xq * s_x[:, None] is y = (xq @ Wq.T) * s_x[:, None] *
+s_w[None, :]: the tensor cores multiply the FP8 values and the scales are applied to the float32 sums. On CUDA
+that is `torch._scaled_mm` with row-wise scales (cuBLASLt); the reference does the same arithmetic in float32. The
+decode path (a handful of rows, bound by reading the weights) keeps its activations in 16 bits and dequantizes
+the FP8 weights in registers instead (`flashpage.kernels.linear`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (e4m3 [R, C], float32 scales [R]) with x ≈ q * scale[:, None]; a row of zeros gets scale 1."""
+    amax = x.abs().amax(dim=-1).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  quantize=quantize_rows) -> torch.Tensor:
+    """x [M, K] (16 or 32 bits) @ (e4m3 weight [N, K] * weight_scale [N]).T, x quantized per row by `quantize`
+    (this module's, or the Triton kernel's): [M, N] in x's dtype."""
+    xq, x_scale = quantize(x)
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :].float(),
+                                out_dtype=x.dtype)
+    y = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :].float()
+    return y.to(x.dtype)

@@ -1,0 +1,53 @@
+"""FP8 weights (`quantization="fp8"`): the decoder layers' projections hold e4m3 weights and one float32 scale per
+output feature (`weight_scale`); the embedding, the LM head and the norms stay in the model's dtype.
+
+A 16/32-bit checkpoint is quantized as it loads, each weight row by its own largest magnitude (row by row also
+under tensor parallelism, where a rank holds part of a row). A pre-quantized checkpoint in the layout vLLM reads
+(config.json `quantization_config.quant_method: "fp8"`, tensors `weight` in e4m3 plus `weight_scale`, per tensor
+or per output feature) loads as it is; its static `input_scale`s are not used: activations are always scaled
+per token, at run time (`flashpage.kernels.fp8`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashpage.kernels.fp8 import FP8, quantize_rows
+
+QUANTIZATIONS = ("fp8",)
+# Checkpoint tensors of FP8 layouts that flashpage does not use (static activation and KV-cache scales).
+UNUSED_TENSORS = (".input_scale", ".k_scale", ".v_scale")
+
+
+def use_fp8_weights(model: nn.Module) -> None:
+    """Give each projection of the decoder layers an e4m3 weight and a float32 `weight_scale` [out features] (on
+    the meta device, before the model is allocated)."""
+    for module in model.layers.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(torch.empty_like(module.weight, dtype=FP8), requires_grad=False)
+            module.weight_scale = nn.Parameter(torch.empty(module.weight.shape[0], dtype=torch.float32,
+                                                           device=module.weight.device), requires_grad=False)
+
+
+def place(dest: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Copy checkpoint data into (part of) a parameter; into an FP8 weight from a wider one, quantize it row by
+    row, writing the rows' scales into `scale`."""
+    if dest.dtype == FP8 and src.dtype != FP8:
+        q, s = quantize_rows(src.to(dest.device))
+        dest.copy_(q)
+        scale.copy_(s)
+    else:
+        dest.copy_(src)
+
+
+def load_scale(dest: torch.Tensor, tensor: torch.Tensor, full_rows: int, start: int) -> None:
+    """A checkpoint's `weight_scale` (one for the tensor, or one per output feature: [N] or [N, 1]) into the scales
+    of rows [start, start + len(dest)) of its N."""
+    t = tensor.float().reshape(-1)
+    if t.numel() == 1:
+        dest.copy_(t.expand(dest.shape[0]))
+    elif t.numel() == full_rows:
+        dest.copy_(t[start:start + dest.shape[0]])
+    else:
+        raise ValueError(f"has {t.numel()} scales, expected 1 or {full_rows}")
