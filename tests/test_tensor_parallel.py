@@ -69,6 +69,24 @@ def test_ranks_give_the_tokens_and_logits_of_one(checkpoints, name, size):
             assert [e.logprob for e in pos_a.values()] == pytest.approx([e.logprob for e in pos_b.values()], rel=1e-5)
 
 
+def test_fp8_weights_under_two_ranks(checkpoints):
+    """Each rank quantizes its shard as it loads (a row-parallel rank scales its part of each row by that part's
+    largest magnitude, so the rounding differs from one rank's): two ranks' FP8 model is as close to the float32
+    one as one rank's."""
+    logits = {}
+    for tp, quantization in ((1, None), (1, "fp8"), (2, "fp8")):
+        llm = LLM(checkpoints["gqa"], device="cpu", tensor_parallel_size=tp, quantization=quantization)
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, temperature=0),
+                         use_tqdm=False)
+            logits[tp, quantization] = llm.engine.runner.last_logits.clone()
+        finally:
+            llm.shutdown()
+    one_rank = rel_err(logits[1, "fp8"], logits[1, None])
+    print(f"FP8 vs float32 logits: one rank {one_rank:.3f}, two ranks {rel_err(logits[2, 'fp8'], logits[1, None]):.3f}")
+    assert 0 < rel_err(logits[2, "fp8"], logits[1, None]) < 1.5 * one_rank
+
+
 def test_engine_features_under_two_ranks(checkpoints):
     """Chunked prefill, prefix caching, preemption (a cache too small for the batch), n > 1, beam search and
     speculative decoding (prompt lookup: verify steps of several tokens per sequence)."""
