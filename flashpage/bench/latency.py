@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="flashpage speculates (JSON, as the engine setting); acceptance is reported")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine setting")
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -54,11 +55,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
                "dtype": args.dtype, "batch_size": args.batch_size, "input_len": args.input_len,
-               "output_len": args.output_len, "tensor_parallel_size": tp, "quantization": args.quantization}
+               "output_len": args.output_len, "tensor_parallel_size": tp, "quantization": args.quantization,
+               "kv_cache_dtype": args.kv_cache_dtype}
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-              speculative_config=args.speculative_config, tensor_parallel_size=tp, quantization=args.quantization)
+              speculative_config=args.speculative_config, tensor_parallel_size=tp, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     vocab = llm.config.vocab_size
     first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)

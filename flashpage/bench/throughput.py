@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting); the "
                    "compute floor stays the bf16 one")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine setting")
     p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(llm.config.vocab_size, (args.num_prompts, args.input_len), generator=gen)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
          "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_output_tok_s": generated / elapsed,
          "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {},
          "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
+         "kv_cache_dtype": args.kv_cache_dtype,
          "warmup_prompts": warm, "warmup_s": warmup_s}
     r["matmul_tflops"] = matmul_tflops()
     r["compute_floor_s"] = matmul_flops(llm.config, prompts.numel() + generated, generated) / (

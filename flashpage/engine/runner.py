@@ -133,12 +133,17 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = cfg.block_size
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
+        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
+        if self.kv_dtype != self.dtype and self.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError("kv_cache_dtype 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), not "
+                             f"{torch.cuda.get_device_name(self.device)}")
         self.num_blocks = tp.min(cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block))  # same on every rank
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                            self.num_kv_heads, c.head_dim, self.dtype, self.device)
+                                            self.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
@@ -155,7 +160,7 @@ class ModelRunner:
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                                           c.head_dim, self.dtype)
+                                                           c.head_dim, self.kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - cfg.gpu_memory_utilization) * total
@@ -203,9 +208,9 @@ class ModelRunner:
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
             dst = upload([c.dst for c in plan.copies], torch.int64, dev)
-            for cache in self.kv_caches:
-                cache.k[dst] = cache.k[src]
-                cache.v[dst] = cache.v[src]
+            for cache in self.kv_caches:  # (as bytes: CUDA indexes no FP8 tensors)
+                for c in (cache.k.view(torch.uint8), cache.v.view(torch.uint8)):
+                    c[dst] = c[src]
         seqs = plan.seqs
         graph_key = self._graph_for(seqs)
         inputs = prepare_inputs(plan, self.block_size, dev, *graph_key) if graph_key else \

@@ -47,7 +47,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
         k_ok = kpos < hi
         if TMA:  # K/V are descriptors of the cache as [slots, Hkv * D]; a tile lies inside one page
             row = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE
-            k = tl.trans(K.load([row, kv_head * stride_kh]))
+            k = tl.trans(K.load([row, kv_head * stride_kh])).to(q.dtype)  # (an FP8 cache's values, exactly)
         elif PAGED:
             block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
             k_row = block * stride_kb + (kpos % PAGE_SIZE) * stride_kt
@@ -57,7 +57,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
             v_row = (k_start + kpos).to(tl.int64) * stride_vt
         if not TMA:
             k = tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
-                        mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+                        mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
         s = _dot(q, k, UPCAST) * sm_scale_log2
         if MASKED:
             # full [M, N] from the start: the runtime ifs below must yield one type on both sides
@@ -78,12 +78,12 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
-            v = V.load([row, kv_head * stride_vh])
+            v = V.load([row, kv_head * stride_vh]).to(q.dtype)
             if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
                 v = tl.where(k_ok[:, None], v, 0.0)
         else:
             v = tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, m_i, l_i

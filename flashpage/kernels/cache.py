@@ -1,4 +1,5 @@
-"""reshape_and_cache: write the new tokens' K and V into their slots of the paged cache."""
+"""reshape_and_cache: write the new tokens' K and V into their slots of the paged cache (in its dtype: an FP8 cache
+saturates at e4m3's largest value, as `reference.to_cache_dtype`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,16 @@ def _reshape_and_cache_kernel(K, V, KCache, VCache, SlotMapping, stride_kt, stri
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = (h < HEADS) & (d < HEAD_DIM)
     dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_ct + h * stride_ch + d
-    tl.store(KCache + dst, tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok), mask=ok)
-    tl.store(VCache + dst, tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
+    tl.store(KCache + dst, to_cache_dtype(tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok), KCache), mask=ok)
+    tl.store(VCache + dst, to_cache_dtype(tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok), VCache), mask=ok)
+
+
+@triton.jit
+def to_cache_dtype(x, Cache):
+    """x as the cache stores it: an FP8 cache saturates at e4m3's largest value instead of overflowing to NaN."""
+    if Cache.dtype.element_ty == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(Cache.dtype.element_ty)
 
 
 def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:

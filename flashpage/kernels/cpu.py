@@ -49,7 +49,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
             mask &= key >= length - 1 - window_size[0]
         blocks = block_table[rows, :n].long()
         # slots past a sequence's end were never written (NaN, say): zeroed, as a masked weight times NaN is NaN
-        k, v = (cache[blocks].flatten(1, 2).masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
+        k, v = (cache[blocks].flatten(1, 2).to(q.dtype).masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
                 for cache in (kv_cache.k, kv_cache.v))
         o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
                                            scale=softmax_scale, enable_gqa=True)

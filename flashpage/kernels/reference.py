@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashpage.kernels.fp8 import quantize_rows, scaled_linear
+from flashpage.kernels.fp8 import FP8, FP8_MAX, quantize_rows, scaled_linear
 
 
 def attention_mask(len_q: int, len_k: int, causal: bool, window_size, device) -> torch.Tensor | None:
@@ -54,8 +54,8 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         if cu_q[i + 1] == cu_q[i]:
             continue
         blocks = block_table[i, : -(-len_k // page)].long()
-        k = k_cache[blocks].flatten(0, 1)[:len_k]
-        v = v_cache[blocks].flatten(0, 1)[:len_k]
+        k = k_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype)  # (an FP8 cache's values, exactly)
+        v = v_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype)
         out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k, v, causal, softmax_scale, window_size)
     return out
 
@@ -63,8 +63,14 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kv_cache.k.view(-1, *kv_cache.k.shape[2:])[slots] = k[keep]
-    kv_cache.v.view(-1, *kv_cache.v.shape[2:])[slots] = v[keep]
+    kv_cache.k.view(-1, *kv_cache.k.shape[2:])[slots] = to_cache_dtype(k[keep], kv_cache.dtype)
+    kv_cache.v.view(-1, *kv_cache.v.shape[2:])[slots] = to_cache_dtype(v[keep], kv_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: an FP8 cache saturates at e4m3's largest value (no scale: K and V of
+    Llama-family models lie well inside +-448) instead of overflowing to NaN."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
 
 
 def rms_norm(x, weight, eps):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashpage.kernels.cache import to_cache_dtype
+
 
 @triton.jit
 def _rotate(X, stride_h, heads, cos1, sin1, cos2, sin2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -48,11 +50,11 @@ def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, SlotMapping, strid
             h = tl.arange(0, BLOCK_HK)[:, None]
             ok = (h < kv_heads) & dok
             dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + h * stride_ch + d
-            tl.store(KCache + dst, k1, mask=ok)
-            tl.store(KCache + dst + HALF, k2, mask=ok)
+            tl.store(KCache + dst, to_cache_dtype(k1, KCache), mask=ok)
+            tl.store(KCache + dst + HALF, to_cache_dtype(k2, KCache), mask=ok)
             v = V + t * stride_vt + h * stride_vh + d
-            tl.store(VCache + dst, tl.load(v, mask=ok), mask=ok)
-            tl.store(VCache + dst + HALF, tl.load(v + HALF, mask=ok), mask=ok)
+            tl.store(VCache + dst, to_cache_dtype(tl.load(v, mask=ok), VCache), mask=ok)
+            tl.store(VCache + dst + HALF, to_cache_dtype(tl.load(v + HALF, mask=ok), VCache), mask=ok)
 
 
 def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
