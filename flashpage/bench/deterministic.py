@@ -92,7 +92,7 @@ def cost(llm, deterministic: bool, args, vocab: int) -> dict:
                     times.append((m.last_token_time - m.first_token_time) / (len(o.outputs[0].token_ids) - 1))
     prompts = torch.randint(vocab, (args.num_prompts, args.tput_input_len), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_tokens=args.tput_output_len, ignore_eos=True)
-    for run in range(2):  # the first compiles the kernel variants its steps need; the second is timed
+    for run in range(2):  # a fresh engine's first run of a workload is slower (docs/cpu.md); the second is timed
         sync()
         start = time.perf_counter()
         outputs(engine, [(f"t{run}-{i}", p, params) for i, p in enumerate(prompts)])

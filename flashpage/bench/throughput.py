@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(llm.config.vocab_size, (args.num_prompts, args.input_len), generator=gen)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    # Warm-up on the same shapes: Triton compiles a kernel variant the first time a step needs it (batch sizes,
-    # chunk lengths), which took 3 s of a 5 s run of 256 requests when the warm-up was 8 requests.
+    # Warm-up on the same workload: a fresh engine's first run of it is slower than later ones (3 s of a 5 s run of
+    # 256 requests after a warm-up of 8; not Triton's compiler, docs/cpu.md).
     warm = min(args.num_prompts, 2 * args.max_num_seqs)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -114,7 +114,7 @@ def report(r: dict) -> None:
           f"{r['output_len']} out)")
     ours = r["flashpage_output_tok_s"]
     if "warmup_s" in r:
-        print(f"warm-up (the first {r['warmup_prompts']} requests, kernels compiling): {r['warmup_s']:.1f} s")
+        print(f"warm-up (the first {r['warmup_prompts']} requests, first-use costs included): {r['warmup_s']:.1f} s")
     print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total tok/s")
     floor = r["compute_floor_s"]
     gpus = f" x {r['tensor_parallel_size']} GPUs" if r.get("tensor_parallel_size", 1) > 1 else ""
