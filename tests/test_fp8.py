@@ -169,6 +169,12 @@ def test_activation_quantization_kernel():
     q_ref, scale_ref = quantize_rows(x)
     assert torch.equal(scale, scale_ref)
     a, b = q.float(), q_ref.float()
+    assert interpreter_e4m3_agrees(a, b).all() and (a == b).float().mean() > 0.8
+
+
+def interpreter_e4m3_agrees(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where the interpreter's e4m3 values `a` may stand for the reference's `b`: within one e4m3 step, or halved
+    where the reference's rounding carried into the next power of two."""
     one_step = (a - b).abs() <= 2**-3 * torch.maximum(a.abs(), b.abs()) + 2**-9
     carried = (b.abs().log2() % 1 == 0) & (a * 2 == b)
-    assert (one_step | carried).all() and (a == b).float().mean() > 0.8
+    return one_step | carried

@@ -28,6 +28,7 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.inputs import prepare_inputs, upload
 from flashpage.engine.sampler import sample_rows
 from flashpage.engine.step import SampledToken, SampleSpec, StepPlan, StepResult
+from flashpage.kernels.fp8 import check_fp8_support
 from flashpage.kv import allocate_kv_caches, kv_bytes_per_block
 from flashpage.loader import LoadedModel, load_model
 from flashpage.model import AttentionMetadata
@@ -134,10 +135,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
-        if self.kv_dtype != self.dtype and self.device.type == "cuda" and \
-                torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ValueError("kv_cache_dtype 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), not "
-                             f"{torch.cuda.get_device_name(self.device)}")
+        if cfg.kv_cache_dtype == "fp8":
+            check_fp8_support(self.device, "kv_cache_dtype 'fp8'")
         self.num_blocks = tp.min(cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block))  # same on every rank
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")

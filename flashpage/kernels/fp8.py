@@ -16,6 +16,13 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+def check_fp8_support(device: torch.device, setting: str) -> None:
+    """ValueError naming `setting` where a CUDA GPU has no FP8 (e4m3) support: compute capability below 8.9."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"{setting} needs FP8 support (compute capability 8.9 or newer: Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (e4m3 [R, C], float32 scales [R]) with x ≈ q * scale[:, None]; a row of zeros gets scale 1."""
     amax = x.abs().amax(dim=-1).float()

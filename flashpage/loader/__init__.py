@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from flashpage.config import ModelConfig
+from flashpage.kernels.fp8 import check_fp8_support
 from flashpage.loader.default_model import KNOWN_MODELS, resolve_known_model
 from flashpage.loader.gguf_file import GGUFModel
 from flashpage.loader.hf_dir import HFModelDir
@@ -145,9 +146,8 @@ def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="c
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"quantization {quantization!r} is not supported; choose one of {', '.join(QUANTIZATIONS)}")
     quantization = quantization or config.quantization
-    if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"quantization 'fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); "
-                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}")
+    if quantization == "fp8":
+        check_fp8_support(device, "quantization 'fp8'")
     net = build_empty(config, torch_dtype, device, tp, quantization)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
