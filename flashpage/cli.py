@@ -49,9 +49,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                        help="on SIGTERM, seconds running requests may still run before they are aborted (default 5)")
     bench = sub.add_parser("bench", help="benchmarks: kernels, fused, latency, throughput, deterministic (CUDA GPU); "
                                          "serve (a running server); cpu (flashpage vs transformers on this CPU); spec "
-                                         "(speculative decoding against none); structured (structured outputs' cost)")
+                                         "(speculative decoding against none); structured (structured outputs' cost); "
+                                         "quality (what the lossy modes cost, on this CPU)")
     bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve", "cpu", "spec",
-                                         "structured", "deterministic"])
+                                         "structured", "deterministic", "quality"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     return parser, {"generate": gen, "chat": chat, "serve": serve, "bench": bench}
 

@@ -67,12 +67,19 @@ def main() -> None:
         tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), table, torch.tensor([0, 4, 9], dtype=torch.int32),
                             lens, 5)
         tri.reshape_and_cache(k[:3], v[:3], KVCache(cache, cache), torch.tensor([5, -1, 70]))
-        fp8 = KVCache(cache.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn))  # an FP8 cache: reads and writes
-        for splits in (1, 4):
-            tri.paged_attention(decode[0], fp8, table, decode[1], lens, 1, num_splits=splits)
-        tri.paged_attention(rand(9, 8, 128, dtype=dtype), fp8, table, torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5)
-        tri.reshape_and_cache(k[:3], v[:3], fp8, torch.tensor([5, -1, 70]))
-        tri.rope_and_cache(q, k, rand(40, 128, dtype=dtype), rand(40, 128, dtype=dtype), v, fp8, torch.arange(40))
+        ones = torch.ones(2)  # quantized caches: FP8 (per-head scales), INT8 (per-token scales); reads and writes
+        fp8 = KVCache(cache.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn), ones, ones)
+        int8 = KVCache(cache.to(torch.int8), cache.to(torch.int8), torch.ones(8, 2, 16), torch.ones(8, 2, 16))
+        for quantized in (fp8, int8):
+            for splits in (1, 4):
+                tri.paged_attention(decode[0], quantized, table, decode[1], lens, 1, num_splits=splits)
+            tri.paged_attention(rand(9, 8, 128, dtype=dtype), quantized, table,
+                                torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5)
+            tri.reshape_and_cache(k[:3], v[:3], quantized, torch.tensor([5, -1, 70]))
+            tri.rope_and_cache(q, k, rand(40, 128, dtype=dtype), rand(40, 128, dtype=dtype), v, quantized,
+                               torch.arange(40))
+        tri.paged_attention(decode[0], KVCache(small_pages.to(torch.int8), small_pages.to(torch.int8),
+                                               torch.ones(16, 2, 8), torch.ones(16, 2, 8)), table, decode[1], lens, 1)
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms
         x, w = rand(3, 256, dtype=dtype), rand(256, dtype=dtype)
         tri.rms_norm(x, w, 1e-5)

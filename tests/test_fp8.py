@@ -4,7 +4,6 @@ vLLM's layout, bad settings, and the quality cost on the default model."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -13,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import rel_err
 from flashpage import LLM, SamplingParams
+from flashpage.bench.quality import perplexity
 from flashpage.kernels import reference
 from flashpage.kernels.fp8 import FP8, FP8_MAX, quantize_rows
 
@@ -133,14 +133,6 @@ def test_bad_quantization_settings_fail_before_loading(tiny_checkpoints, tmp_pat
         (tmp_path / what[:5] / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
         with pytest.raises(ValueError, match=f"quantization_config .*{what}.* is not supported"):
             LLM(str(tmp_path / what[:5]), device="cpu")
-
-
-def perplexity(llm: LLM, ids: list[int], window: int) -> float:
-    windows = [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
-    lps = [next(iter(pos.values())).logprob for o in outs for pos in o.prompt_logprobs[1:]]
-    return math.exp(-sum(lps) / len(lps))
 
 
 def test_fp8_quality_on_real_text(smollm_llm, smollm_gguf):

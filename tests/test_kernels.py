@@ -169,6 +169,9 @@ def test_choose_num_splits_fills_each_sm_with_four_programs(monkeypatch):
     assert attention.choose_num_splits(1, 1, 1, 1 << 20, gpu) == 128  # the merge's limit
     assert attention.choose_num_splits(1, 8, 4, 32768, gpu) == 1  # not a decode
     assert attention.choose_num_splits(1, 8, 1, 32768, torch.device("cpu")) == 1
+    # an 8-bit cache: eight programs per SM
+    assert [attention.choose_num_splits(b, 8, 1, n, gpu, cache_bytes=1) for b, n in
+            ((1, 32768), (8, 8192), (64, 4096), (256, 1024))] == [128, 16, 2, 1]
 
 
 def test_paged_attention_rejects_bad_block_size_and_heads():

@@ -1,12 +1,14 @@
 """Benchmark the attention kernels against torch's SDPA backends and the device's measured ceilings.
 
-    python -m flashpage.bench.kernels [--out DIR] [--sweep]
+    python -m flashpage.bench.kernels [--out DIR] [--sweep] [--kv-cache-dtype fp8|int8]
 
 Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens.
 Decode: paged cache (block size 16, shuffled blocks; also timed with each sequence's blocks in order) for
 B x context; SDPA reads a contiguous cache of the same size. Prints ms, TFLOP/s or TB/s, the ratio to the best
 SDPA backend and the fraction of the measured ceiling; for decode also how long merely reading the same pages
 takes (the copy engine fetching each page's tile for one KV head, as the decode does, with no attention).
+`--kv-cache-dtype` also times decode over an FP8 or INT8 cache (the engine's scales) against the bf16 one, with the
+rate counted on the bytes it reads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
-from flashpage.kv import KVCache
+from flashpage.kernels import reference
+from flashpage.kv import KV_CACHE_DTYPES, KVCache
 
 HQ, HKV, D = 32, 8, 128
 PREFILL_TOKENS = 16384
@@ -97,7 +100,21 @@ def bench_prefill(seq_len: int, tiles=None) -> dict:
             "unit": "TFLOP/s", "peers_ms": peers}
 
 
-def bench_decode(batch: int, context: int, tiles=None, num_splits=None) -> dict:
+def quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype: str) -> KVCache:
+    """A bf16 cache as the engine would store it with `kv_cache_dtype` (written by the reference writer)."""
+    if kv_cache_dtype == "auto":
+        return KVCache(k_cache, v_cache)
+    blocks, page, hkv, dim = k_cache.shape
+    dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    scales = [torch.ones(hkv, device="cuda") if dtype != torch.int8 else
+              torch.empty(blocks, hkv, page, device="cuda") for _ in range(2)]
+    cache = KVCache(torch.empty_like(k_cache, dtype=dtype), torch.empty_like(v_cache, dtype=dtype), *scales)
+    reference.reshape_and_cache(k_cache.flatten(0, 1), v_cache.flatten(0, 1), cache,
+                                torch.arange(blocks * page, device="cuda"))
+    return cache
+
+
+def bench_decode(batch: int, context: int, tiles=None, num_splits=None, kv_cache_dtype: str = "auto") -> dict:
     blocks_per_seq = context // BLOCK
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
@@ -106,31 +123,46 @@ def bench_decode(batch: int, context: int, tiles=None, num_splits=None) -> dict:
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
-    cache = KVCache(k_cache, v_cache)
-    splits = num_splits or attn.choose_num_splits(batch, HKV, 1, context, q.device)
+    cache = quantized_cache(k_cache, v_cache, kv_cache_dtype)
+    splits = num_splits or attn.choose_num_splits(batch, HKV, 1, context, q.device, cache.k.element_size())
     ours = median_ms(lambda: paged_attention(q, cache, table, cu, lens, 1, num_splits=splits, tiles=tiles))
+    # the bytes a decode reads: K and V, and an INT8 cache's per-token scales
+    nbytes = sum(x.numel() * x.element_size() for x in (cache.k, cache.v)) + \
+        (2 * cache.k_scale.numel() * 4 if cache.scaled_per_token else 0)
+    r = {"kind": "decode", "shape": f"{batch}x{context}", "kv_cache_dtype": kv_cache_dtype, "ms": ours,
+         "rate": nbytes / ours / 1e9, "unit": "TB/s", "num_splits": splits}
+    if kv_cache_dtype != "auto":  # compared with the bf16 cache's row of the same run
+        return r
     # each sequence's blocks next to each other in memory, as a fresh cache hands out a prompt's: what scattering costs
     in_order = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
     ours_in_order = median_ms(lambda: paged_attention(q, cache, in_order, cu, lens, 1, num_splits=splits, tiles=tiles))
     kc = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.bfloat16)
     peers = sdpa_times(q[:, :, None, :], kc, torch.randn_like(kc), causal=False)
-    nbytes = 2 * batch * context * HKV * D * 2  # K and V, bf16
-    return {"kind": "decode", "shape": f"{batch}x{context}", "ms": ours, "rate": nbytes / ours / 1e9, "unit": "TB/s",
-            "peers_ms": peers, "num_splits": splits, "ms_blocks_in_order": ours_in_order,
-            "ms_page_read": page_read_ms(k_cache, v_cache, table),
-            "ms_page_read_in_order": page_read_ms(k_cache, v_cache, in_order)}
+    return r | {"peers_ms": peers, "ms_blocks_in_order": ours_in_order,
+                "ms_page_read": page_read_ms(k_cache, v_cache, table),
+                "ms_page_read_in_order": page_read_ms(k_cache, v_cache, in_order)}
 
 
-def sweep() -> None:
+def sweep(kv_cache_dtype: str = "auto") -> None:
     """Time a few tile shapes for each regime, then split counts for 1x32k; prints each (the best is written into
     attention._tiles and attention.choose_num_splits). Paged decode reads through the copy engine, whose tiles are
-    one page (16 keys) at most."""
+    one page (16 keys) at most. With a quantized cache, its decode only, also over split counts."""
     copy_engine = [(16, 16, 1, 4), (16, 16, 1, 5), (16, 16, 1, 6), (16, 16, 2, 5)]
-    for label, run, cfgs in [("prefill S=4096", lambda t: bench_prefill(4096, t), [(128, 64, 8, 3), (128, 32, 4, 3)]),
-                             ("decode 256x1024", lambda t: bench_decode(256, 1024, t), copy_engine),
-                             ("decode 64x4096", lambda t: bench_decode(64, 4096, t), copy_engine),
-                             ("decode 8x8192", lambda t: bench_decode(8, 8192, t), copy_engine),
-                             ("decode 1x32768", lambda t: bench_decode(1, 32768, t), copy_engine)]:
+    decodes = [(256, 1024), (64, 4096), (8, 8192), (1, 32768)]
+    if kv_cache_dtype != "auto":
+        for batch, context in decodes:
+            for cfg in copy_engine + [(16, 16, 1, 8), (16, 16, 2, 8)]:
+                r = bench_decode(batch, context, cfg, kv_cache_dtype=kv_cache_dtype)
+                print(f"sweep {kv_cache_dtype} decode {batch}x{context} tiles={cfg}: {r['ms']:.4f} ms "
+                      f"{r['rate']:.2f} TB/s", flush=True)
+            base = attn.choose_num_splits(batch, HKV, 1, context, torch.device("cuda"))
+            for splits in sorted({base, 2 * base, 3 * base}):
+                r = bench_decode(batch, context, num_splits=splits, kv_cache_dtype=kv_cache_dtype)
+                print(f"sweep {kv_cache_dtype} decode {batch}x{context} splits={splits}: {r['ms']:.4f} ms "
+                      f"{r['rate']:.2f} TB/s", flush=True)
+        return
+    for label, run, cfgs in [("prefill S=4096", lambda t: bench_prefill(4096, t), [(128, 64, 8, 3), (128, 32, 4, 3)])] + \
+            [(f"decode {b}x{c}", lambda t, b=b, c=c: bench_decode(b, c, t), copy_engine) for b, c in decodes]:
         for cfg in cfgs:
             try:
                 r = run(cfg)
@@ -146,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashpage bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-results", help="directory for kernels.json and kernels.png")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                        help="also time decode over a quantized cache, against the bf16 one (ratios)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flashpage bench kernels needs a CUDA GPU")
@@ -154,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     bw, mm = copy_bandwidth_tbs(), matmul_tflops()
     print(f"{gpu}: copy {bw:.2f} TB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
     if args.sweep:
-        sweep()
+        sweep(args.kv_cache_dtype)
     rows = [bench_prefill(s) for s in PREFILL_S] + [bench_decode(b, c) for b, c in DECODE]
     print(f"\n{'kernel':8s} {'shape':18s} {'ms':>8s} {'rate':>14s} {'of ceiling':>10s} {'best SDPA':>22s} {'speedup':>8s}")
     for r in rows:
@@ -173,6 +207,16 @@ def main(argv: list[str] | None = None) -> int:
                                    ("in order", r["ms_page_read_in_order"], r["ms_blocks_in_order"])):
             print(f"{r['shape']:14s} {blocks:9s} {read:10.4f} {ours:10.4f} {read / ours:8.1%} {best_ms:10.4f}"
                   f" {best_ms / ours:11.2f}x")
+    if args.kv_cache_dtype != "auto":
+        print(f"\n{'decode':14s} {args.kv_cache_dtype + ' ms':>10s} {'bf16 ms':>9s} {'speedup':>8s} {'TB/s read':>10s}"
+              f" {'of copy':>8s}")
+        for bf16 in [r for r in rows if r["kind"] == "decode"]:
+            b, c = map(int, bf16["shape"].split("x"))
+            r = bench_decode(b, c, kv_cache_dtype=args.kv_cache_dtype)
+            r["speedup_vs_bf16"], r["fraction_of_ceiling"] = bf16["ms"] / r["ms"], r["rate"] / bw
+            rows.append(r)
+            print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:10.2f}"
+                  f" {r['fraction_of_ceiling']:8.0%}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "host": platform.node(),
@@ -194,7 +238,7 @@ def plot(rows: list[dict], gpu: str, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("prefill", "decode")):
-        sel = [r for r in rows if r["kind"] == kind]
+        sel = [r for r in rows if r["kind"] == kind and r.get("kv_cache_dtype", "auto") == "auto"]
         names = ["flashpage"] + sorted({n for r in sel for n in r["peers_ms"]})
         width = 0.8 / len(names)
         for i, name in enumerate(names):

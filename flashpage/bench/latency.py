@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="flashpage speculates (JSON, as the engine setting); acceptance is reported")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine setting")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)

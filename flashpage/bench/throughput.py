@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting); the "
                    "compute floor stays the bf16 one")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="the engine setting")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
     p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)

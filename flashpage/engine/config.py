@@ -49,8 +49,9 @@ class EngineConfig:
                                    "whatever else is batched (CUDA)")
     quantization: str | None = _setting(None, "fp8: FP8 (e4m3) weights, quantized as they load, and per-token FP8 "
                                         "activations (default: as the checkpoint is stored)", ("fp8",))
-    kv_cache_dtype: str = _setting("auto", "auto: the model's dtype; fp8: e4m3, twice the tokens in the same memory",
-                                   ("auto", "fp8"))
+    kv_cache_dtype: str = _setting("auto", "auto: the model's dtype; fp8: e4m3, one scale per layer and KV head "
+                                   "(1, or the checkpoint's); int8: one scale per token and KV head; either holds "
+                                   "about twice the tokens of a 16-bit cache in the same memory", ("auto", "fp8", "int8"))
     tensor_parallel_size: int = _setting(1, "split the model over this many ranks, one process per GPU (CPU: "
                                          "processes over gloo); under torchrun, its world size")
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "

@@ -359,6 +359,8 @@ class LLMEngine:
             "kv_blocks_total": self.bm.num_blocks,
             "kv_blocks_free": self.bm.num_free_blocks,
             "kv_block_size": self.bm.block_size,
+            "kv_cache_dtype": self.cfg.kv_cache_dtype,
+            "kv_cache_capacity_tokens": self.bm.num_blocks * self.bm.block_size,
             "kv_tokens_stored": tokens_stored,
             "kv_slots_allocated": blocks_in_use * self.bm.block_size,
             "prefix_cache_queries": self.scheduler.prefix_queries,

@@ -29,7 +29,7 @@ from flashpage.engine.inputs import prepare_inputs, upload
 from flashpage.engine.sampler import sample_rows
 from flashpage.engine.step import SampledToken, SampleSpec, StepPlan, StepResult
 from flashpage.kernels.fp8 import check_fp8_support
-from flashpage.kv import allocate_kv_caches, kv_bytes_per_block
+from flashpage.kv import KV_CACHE_DTYPES, allocate_kv_caches, kv_bytes_per_block
 from flashpage.loader import LoadedModel, load_model
 from flashpage.model import AttentionMetadata
 from flashpage.parallel.group import TensorParallel
@@ -134,7 +134,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.block_size = cfg.block_size
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
-        self.kv_dtype = torch.float8_e4m3fn if cfg.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_dtype = KV_CACHE_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
         if cfg.kv_cache_dtype == "fp8":
             check_fp8_support(self.device, "kv_cache_dtype 'fp8'")
         self.num_blocks = tp.min(cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block))  # same on every rank
@@ -143,6 +143,10 @@ class ModelRunner:
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
                                             self.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
+        if self.kv_dtype == torch.float8_e4m3fn:  # the checkpoint's per-head scales, where it has them
+            for cache, layer in zip(self.kv_caches, self.model.layers):
+                for kind, scale in layer.self_attn.kv_cache_scales.items():
+                    (cache.k_scale if kind == "k" else cache.v_scale).copy_(scale)
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
@@ -207,8 +211,9 @@ class ModelRunner:
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
             dst = upload([c.dst for c in plan.copies], torch.int64, dev)
-            for cache in self.kv_caches:  # (as bytes: CUDA indexes no FP8 tensors)
-                for c in (cache.k.view(torch.uint8), cache.v.view(torch.uint8)):
+            for cache in self.kv_caches:  # (as bytes: CUDA indexes no FP8 tensors); INT8's scales go along
+                per_slot = (cache.k_scale, cache.v_scale) if cache.scaled_per_token else ()
+                for c in (cache.k.view(torch.uint8), cache.v.view(torch.uint8), *per_slot):
                     c[dst] = c[src]
         seqs = plan.seqs
         graph_key = self._graph_for(seqs)

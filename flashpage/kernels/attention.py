@@ -36,18 +36,32 @@ def _dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, hi, k_start, sm_scale_log2,
-                  window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb,
-                  stride_bt, d, d_ok,
+def _exactly(x, dtype):
+    """A tile of the cache in the queries' dtype: a quantized cache's values convert exactly, by way of float32
+    (for e4m3 on an H100 that took 0.22 ms at 64x4k instead of 0.31 converting directly, docs/kernel-notes.md;
+    and Triton 3.6's interpreter converts int8 to bf16 wrongly)."""
+    if x.dtype == tl.int8 or x.dtype == tl.float8e4nv:
+        x = x.to(tl.float32)
+    return x.to(dtype)
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, hi, k_start,
+                  sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
+                  stride_vb, stride_bt, num_kv_heads, d, d_ok,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking."""
+                  CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+                  TOKEN_SCALES: tl.constexpr):
+    """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking.
+    TOKEN_SCALES: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
+    probabilities (a quantized cache's values convert to the query's dtype exactly)."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
         if TMA:  # K/V are descriptors of the cache as [slots, Hkv * D]; a tile lies inside one page
-            row = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE) * PAGE_SIZE + start % PAGE_SIZE
-            k = tl.trans(K.load([row, kv_head * stride_kh])).to(q.dtype)  # (an FP8 cache's values, exactly)
+            block = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE)
+            row = block * PAGE_SIZE + start % PAGE_SIZE
+            k = _exactly(tl.trans(K.load([row, kv_head * stride_kh])), q.dtype)
         elif PAGED:
             block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
             k_row = block * stride_kb + (kpos % PAGE_SIZE) * stride_kt
@@ -56,9 +70,12 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
             k_row = (k_start + kpos).to(tl.int64) * stride_kt
             v_row = (k_start + kpos).to(tl.int64) * stride_vt
         if not TMA:
-            k = tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
-                        mask=k_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
+            k = _exactly(tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
+                                 mask=k_ok[None, :] & d_ok[:, None], other=0.0), q.dtype)
         s = _dot(q, k, UPCAST) * sm_scale_log2
+        if TOKEN_SCALES:  # scales [blocks, Hkv, PAGE_SIZE]; 0 past the end: its scores are masked, 0 * NaN is not
+            scale_at = (block.to(tl.int64) * num_kv_heads + kv_head) * PAGE_SIZE + kpos % PAGE_SIZE
+            s = s * tl.load(KScale + scale_at, mask=k_ok, other=0.0)[None, :]
         if MASKED:
             # full [M, N] from the start: the runtime ifs below must yield one type on both sides
             visible = tl.broadcast_to(k_ok[None, :], (BLOCK_M, BLOCK_N))
@@ -78,12 +95,14 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
-            v = V.load([row, kv_head * stride_vh]).to(q.dtype)
+            v = _exactly(V.load([row, kv_head * stride_vh]), q.dtype)
             if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
                 v = tl.where(k_ok[:, None], v, 0.0)
         else:
-            v = tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
-                        mask=k_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+            v = _exactly(tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
+                                 mask=k_ok[:, None] & d_ok[None, :], other=0.0), q.dtype)
+        if TOKEN_SCALES:
+            p = p * tl.load(VScale + scale_at, mask=k_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
@@ -92,14 +111,14 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, h
 @triton.jit
 def _attend_sequence(
     seq, pid_m, kv_head, split,
-    Q, K, V, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
-    sm_scale_log2, window_left, window_right,
+    Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
+    sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
 ):
     """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys."""
     q_start = tl.load(CuSeqlensQ + seq)
@@ -147,20 +166,28 @@ def _attend_sequence(
         bound = tl.minimum(hi, first_pos + 1) if CAUSAL else hi
         unmasked_hi = lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
 
+    # A quantized cache's scales (flashpage.kv.cache): an FP8 cache's, one per KV head, scale the scores and the
+    # output; an INT8 cache's, one per key, are applied tile by tile.
+    v_scale = 1.0
+    if KV_SCALES == 1:
+        sm_scale_log2 = sm_scale_log2 * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if not MASK_EVERY_TILE:
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
-                                      k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh,
-                                      stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, d, d_ok, BLOCK_M,
-                                      BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, TMA, UPCAST)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi, k_start,
-                                  sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb,
-                                  stride_vt, stride_vh, stride_vb, stride_bt, d, d_ok, BLOCK_M, BLOCK_N, PAGED,
-                                  PAGE_SIZE, CAUSAL, True, TMA, UPCAST)
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo,
+                                      unmasked_hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
+                                      stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads,
+                                      d, d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, TMA, UPCAST,
+                                      KV_SCALES == 2)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
+                                  unmasked_hi, hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
+                                  stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads, d,
+                                  d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA, UPCAST,
+                                  KV_SCALES == 2)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if NUM_SPLITS == 1:
         tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -174,15 +201,16 @@ def _attend_sequence(
 
 @triton.jit
 def _attention_kernel(
-    Q, K, V, Out, PartOut, PartLse,
+    Q, K, V, KScale, VScale, Out, PartOut, PartLse,
     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
-    num_seqs, sm_scale_log2, window_left, window_right,
+    num_seqs, sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # the merge may launch now and wait on the GPU for this grid, instead of launching after it
         tl.extra.cuda.gdc_launch_dependents()
@@ -195,17 +223,19 @@ def _attention_kernel(
     # slower code (docs/kernel-notes.md).
     if TMA:
         for seq in range(tl.program_id(1), num_seqs, tl.num_programs(1)):
-            _attend_sequence(seq, pid_m, kv_head, split, Q, K, V, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK,
-                             SeqLensK, BlockTable, sm_scale_log2, window_left, window_right, stride_qt, stride_qh,
-                             stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
-                             stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D,
-                             BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST)
+            _attend_sequence(seq, pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ,
+                             CuSeqlensK, SeqLensK, BlockTable, sm_scale_log2, window_left, window_right,
+                             num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt,
+                             stride_vh, stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph,
+                             stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
+                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES)
     else:
-        _attend_sequence(tl.program_id(1), pid_m, kv_head, split, Q, K, V, Out, PartOut, PartLse, CuSeqlensQ,
-                         CuSeqlensK, SeqLensK, BlockTable, sm_scale_log2, window_left, window_right, stride_qt,
-                         stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot,
-                         stride_oh, stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, GROUP, HEAD_DIM,
-                         BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST)
+        _attend_sequence(tl.program_id(1), pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse,
+                         CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, sm_scale_log2, window_left, window_right,
+                         num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
+                         stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph, stride_ls,
+                         stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS,
+                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES)
 
 
 @triton.jit
@@ -287,7 +317,8 @@ def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
 
 
 def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, causal, softmax_scale, window_size,
-            num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False):
+            num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False, scales=None):
+    """`scales`: a quantized cache's (k_scale, v_scale), per KV head (FP8) or per slot and KV head (INT8)."""
     total_q, hq, dim = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
@@ -321,7 +352,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
                   BLOCK_D=block_d,
                   BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
                   NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
-                  UPCAST=q.dtype == torch.bfloat16 and interpret)
+                  UPCAST=q.dtype == torch.bfloat16 and interpret,
+                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1)
     if num_splits == 1:  # the kernel normalises and writes `out` itself
         part, lse, part_strides = out, out, (0, 0, 0, 0, 0)
     else:
@@ -334,8 +366,9 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
         seq_programs = triton.cdiv(batch, rounds)
     unused = cu_q  # stands in for the pointers the variant does not read
     _attention_kernel[(grid_m, seq_programs, hkv * num_splits)](
-        q, k, v, out, part, lse, cu_q, unused if paged else cu_k, seq_lens_k if paged else unused,
-        block_table if paged else unused, batch, scale, window_size[0], window_size[1],
+        q, k, v, *(scales or (unused, unused)), out, part, lse, cu_q, unused if paged else cu_k,
+        seq_lens_k if paged else unused, block_table if paged else unused, batch, scale, window_size[0],
+        window_size[1], hkv,
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
@@ -382,30 +415,36 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         num_splits = 1
     elif num_splits is None:
         num_splits = choose_num_splits(cu_seqlens_q.numel() - 1, k_cache.shape[2], max_seqlen_q,
-                                       block_table.shape[1] * page, q.device)
+                                       block_table.shape[1] * page, q.device, k_cache.element_size())
     elif num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
+    scales = None if kv_cache.k_scale is None else (kv_cache.k_scale, kv_cache.v_scale)
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
                    softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles,
-                   batch_invariant=batch_invariant)
+                   batch_invariant=batch_invariant, scales=scales)
 
 
-def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device) -> int:
+def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device,
+                      cache_bytes: int = 2) -> int:
     """Split-KV decode: about four programs per SM over the whole grid (batch x KV heads x splits), so every SM
     streams an equal share, each split keeping at least 32 keys (two pages of 16); at most 128 splits (the merge
     holds them all). One program streams a few hundred GB/s at best: few long programs leave most of the bandwidth
-    unused, and at short contexts the time is one program's chain of page loads."""
+    unused, and at short contexts the time is one program's chain of page loads. An 8-bit cache (`cache_bytes` 1)
+    gets eight programs per SM: its tiles carry half the bytes, so each program streams half as fast (measured on
+    an H100, docs/kernel-notes.md)."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(round(4 * sms / max(batch * kv_heads, 1)), max_seqlen_k // 32, 128))
+    per_sm = 8 if cache_bytes == 1 else 4
+    return max(1, min(round(per_sm * sms / max(batch * kv_heads, 1)), max_seqlen_k // 32, 128))
 
 
 def _programs_per_wave(device: torch.device) -> int:
     """Copy-engine decode programs that run at once: each takes 24.6 KB of shared memory, so 9 fit on a Hopper SM;
     8 per SM leaves room; a partial second wave cost more than each program taking two sequences
-    (docs/kernel-notes.md). Unbounded for CPU tensors: the interpreter runs programs in turn."""
+    (docs/kernel-notes.md); an 8-bit cache's programs, with half the shared memory, measured no faster at 12 or 16
+    per SM. Unbounded for CPU tensors: the interpreter runs programs in turn."""
     if device.type != "cuda":
         return 1 << 30
     return 8 * sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -47,10 +47,9 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         mask = key < length  # a decode query is its sequence's last position: it sees every key before it
         if window_size[0] >= 0:
             mask &= key >= length - 1 - window_size[0]
-        blocks = block_table[rows, :n].long()
         # slots past a sequence's end were never written (NaN, say): zeroed, as a masked weight times NaN is NaN
-        k, v = (cache[blocks].flatten(1, 2).to(q.dtype).masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
-                for cache in (kv_cache.k, kv_cache.v))
+        k, v = (x.flatten(1, 2).masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
+                for x in reference.read_pages(kv_cache, block_table[rows, :n], q.dtype))
         o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
                                            scale=softmax_scale, enable_gqa=True)
         out[rows] = o[:, :, 0, :]

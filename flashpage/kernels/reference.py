@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from flashpage.kernels.fp8 import FP8, FP8_MAX, quantize_rows, scaled_linear
 
+INT8_MAX = 127.0
+
 
 def attention_mask(len_q: int, len_k: int, causal: bool, window_size, device) -> torch.Tensor | None:
     """Boolean [len_q, len_k]; queries are the last len_q of len_k positions (bottom-right aligned)."""
@@ -46,31 +48,51 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None):
-    k_cache, v_cache = kv_cache.k, kv_cache.v
     out = torch.empty_like(q) if out is None else out
     cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
-    page = k_cache.shape[1]
+    page = kv_cache.block_size
     for i, len_k in enumerate(lens_k):
         if cu_q[i + 1] == cu_q[i]:
             continue
-        blocks = block_table[i, : -(-len_k // page)].long()
-        k = k_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype)  # (an FP8 cache's values, exactly)
-        v = v_cache[blocks].flatten(0, 1)[:len_k].to(q.dtype)
+        k, v = (x.flatten(0, 1)[:len_k] for x in read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype))
         out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k, v, causal, softmax_scale, window_size)
     return out
+
+
+def read_pages(kv_cache, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of cache blocks [..., n] as `dtype` [..., n, block_size, Hkv, D], dequantized."""
+    blocks = blocks.long()
+    k, v = kv_cache.k[blocks].to(dtype), kv_cache.v[blocks].to(dtype)
+    if kv_cache.k_scale is None:
+        return k, v
+    if kv_cache.scaled_per_token:  # INT8: [blocks, Hkv, block_size] scales
+        return (k * kv_cache.k_scale[blocks].transpose(-1, -2)[..., None].to(dtype),
+                v * kv_cache.v_scale[blocks].transpose(-1, -2)[..., None].to(dtype))
+    return k * kv_cache.k_scale[:, None].to(dtype), v * kv_cache.v_scale[:, None].to(dtype)  # FP8: per KV head
 
 
 def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    kv_cache.k.view(-1, *kv_cache.k.shape[2:])[slots] = to_cache_dtype(k[keep], kv_cache.dtype)
-    kv_cache.v.view(-1, *kv_cache.v.shape[2:])[slots] = to_cache_dtype(v[keep], kv_cache.dtype)
+    for x, cache, scale in ((k, kv_cache.k, kv_cache.k_scale), (v, kv_cache.v, kv_cache.v_scale)):
+        stored, token_scale = quantize_for_cache(x[keep], cache.dtype, scale)
+        cache.view(-1, *cache.shape[2:])[slots] = stored
+        if token_scale is not None:
+            scale[slots // cache.shape[1], :, slots % cache.shape[1]] = token_scale
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as a cache of `dtype` stores it: an FP8 cache saturates at e4m3's largest value (no scale: K and V of
-    Llama-family models lie well inside +-448) instead of overflowing to NaN."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
+def quantize_for_cache(x: torch.Tensor, dtype: torch.dtype, head_scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, Hkv, D] as a cache of `dtype` stores it (`flashpage.kv.cache`), and for INT8 its new scales [T, Hkv].
+    FP8 divides by the per-head scales and saturates at e4m3's largest value instead of overflowing to NaN; INT8
+    scales each (token, head) by its largest magnitude / 127 and rounds to nearest."""
+    if dtype == FP8:
+        return (x.float() / head_scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(dtype), None
+    if dtype == torch.int8:
+        largest = x.float().abs().amax(-1)
+        scale = torch.where(largest > 0, largest / INT8_MAX, 1.0)
+        return torch.floor(x.float() / scale[..., None] + 0.5).clamp(-INT8_MAX, INT8_MAX).to(dtype), scale
+    return x.to(dtype), None
 
 
 def rms_norm(x, weight, eps):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashpage.kernels.cache import to_cache_dtype
+from flashpage.kernels.cache import cache_scale, scale_pointers, to_cache_dtype
 
 
 @triton.jit
@@ -31,8 +31,9 @@ def _rotate(X, stride_h, heads, cos1, sin1, cos2, sin2, HALF: tl.constexpr, BLOC
 
 
 @triton.jit
-def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, SlotMapping, stride_qt, stride_qh, stride_kt, stride_kh,
-                           stride_vt, stride_vh, stride_ct, stride_cb, stride_cs, stride_ch, q_heads, kv_heads,
+def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, KScale, VScale, SlotMapping, stride_qt, stride_qh,
+                           stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_cb, stride_cs, stride_ch,
+                           q_heads, kv_heads,
                            HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
                            BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -50,11 +51,14 @@ def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, SlotMapping, strid
             h = tl.arange(0, BLOCK_HK)[:, None]
             ok = (h < kv_heads) & dok
             dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + h * stride_ch + d
-            tl.store(KCache + dst, to_cache_dtype(k1, KCache), mask=ok)
-            tl.store(KCache + dst + HALF, to_cache_dtype(k2, KCache), mask=ok)
+            k_scale = cache_scale(KCache, KScale, slot, h, kv_heads, PAGE_SIZE, k1, k2)
+            tl.store(KCache + dst, to_cache_dtype(k1, k_scale, KCache), mask=ok)
+            tl.store(KCache + dst + HALF, to_cache_dtype(k2, k_scale, KCache), mask=ok)
             v = V + t * stride_vt + h * stride_vh + d
-            tl.store(VCache + dst, to_cache_dtype(tl.load(v, mask=ok), VCache), mask=ok)
-            tl.store(VCache + dst + HALF, to_cache_dtype(tl.load(v + HALF, mask=ok), VCache), mask=ok)
+            v1, v2 = tl.load(v, mask=ok, other=0.0), tl.load(v + HALF, mask=ok, other=0.0)
+            v_scale = cache_scale(VCache, VScale, slot, h, kv_heads, PAGE_SIZE, v1, v2)
+            tl.store(VCache + dst, to_cache_dtype(v1, v_scale, VCache), mask=ok)
+            tl.store(VCache + dst + HALF, to_cache_dtype(v2, v_scale, VCache), mask=ok)
 
 
 def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
@@ -74,9 +78,10 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     if t == 0:
         return q, k
     v, kc, vc, sm = (v, k_cache, v_cache, slot_mapping) if write else (k, k, k, k)
+    ks, vs = scale_pointers(kv_cache) if write else (k, k)
     half = dim // 2
     _rope_and_cache_kernel[(t,)](
-        q, k, v, cos, sin, kc, vc, sm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, cos, sin, kc, vc, ks, vs, sm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
         hq, hkv, HALF=half, PAGE_SIZE=kc.shape[1] if write else 1, WRITE_CACHE=write,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hkv),

@@ -16,8 +16,8 @@ from torch import nn
 from flashpage.kernels.fp8 import FP8, quantize_rows
 
 QUANTIZATIONS = ("fp8",)
-# Checkpoint tensors of FP8 layouts that flashpage does not use (static activation and KV-cache scales).
-UNUSED_TENSORS = (".input_scale", ".k_scale", ".v_scale")
+# Checkpoint tensors of FP8 layouts that flashpage does not use (static activation scales).
+UNUSED_TENSORS = (".input_scale",)
 
 
 def use_fp8_weights(model: nn.Module) -> None:

@@ -133,6 +133,20 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, heads.q_start * d, full_q, tp)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window
+        self.kv_start, self.total_kv_heads = heads.kv_start, cfg.num_key_value_heads
+        # An FP8 KV cache's scales as the checkpoint gives them (`self_attn.k_scale` / `v_scale`, vLLM's names),
+        # this rank's heads' [num_kv_heads]; used only when the cache is FP8 (flashpage.kv.cache).
+        self.kv_cache_scales: dict[str, torch.Tensor] = {}
+
+    def load_kv_cache_scale(self, kind: str, tensor: torch.Tensor) -> None:
+        t = tensor.float().reshape(-1).cpu()
+        if t.numel() == 1:
+            t = t.expand(self.total_kv_heads)
+        elif t.numel() != self.total_kv_heads:
+            raise ValueError(f"has {t.numel()} scales, expected 1 or one per KV head ({self.total_kv_heads})")
+        if not bool((t > 0).all()) or not bool(t.isfinite().all()):
+            raise ValueError("holds a scale that is not a positive number")
+        self.kv_cache_scales[kind] = t[self.kv_start:self.kv_start + self.num_kv_heads].clone()
 
     def forward(self, ops, h, norm: RMSNorm, cos, sin, meta, kv_cache):
         """h + attention(norm(h))."""
@@ -235,6 +249,12 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy of the embedding
             if name.endswith(UNUSED_TENSORS):
+                continue
+            if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+                try:
+                    self.get_submodule(name.rpartition(".")[0]).load_kv_cache_scale(name[-7], tensor)
+                except (AttributeError, ValueError) as e:
+                    raise ValueError(f"tensor {name!r} {e}") from None
                 continue
             target, shard = name, None
             for frag, (fused, idx) in _STACKED.items():

@@ -25,6 +25,8 @@ class Metrics:
         self.running = Gauge("flashpage_num_requests_running", "Sequences running", registry=r)
         self.waiting = Gauge("flashpage_num_requests_waiting", "Sequences waiting", registry=r)
         self.kv_usage = Gauge("flashpage_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.kv_capacity = Gauge("flashpage_kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block "
+                                 "size; a quantized cache holds about twice a 16-bit one's)", registry=r)
         self.prefix_hit_rate = Gauge("flashpage_prefix_cache_hit_rate", "Prefix cache hits / queries (tokens)",
                                      registry=r)
         self.preemptions = Gauge("flashpage_num_preemptions", "Preemptions since start", registry=r)
@@ -56,6 +58,7 @@ class Metrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(1 - stats["kv_blocks_free"] / stats["kv_blocks_total"])
+        self.kv_capacity.set(stats["kv_cache_capacity_tokens"])
         q = stats["prefix_cache_queries"]
         self.prefix_hit_rate.set(stats["prefix_cache_hits"] / q if q else 0.0)
         self.preemptions.set(stats["num_preemptions"])
