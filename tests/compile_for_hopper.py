@@ -78,6 +78,11 @@ def main() -> None:
             tri.reshape_and_cache(k[:3], v[:3], quantized, torch.tensor([5, -1, 70]))
             tri.rope_and_cache(q, k, rand(40, 128, dtype=dtype), rand(40, 128, dtype=dtype), v, quantized,
                                torch.arange(40))
+        tree = torch.tensor([1, 3, 5, 11, 7, 1, 3, 5, 9], dtype=torch.int64)  # token trees: prefill and decode tiles
+        tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), table,
+                            torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5, query_mask=tree)
+        tri.paged_attention(rand(4, 8, 128, dtype=dtype), KVCache(cache, cache), table,
+                            torch.tensor([0, 2, 4], dtype=torch.int32), lens, 2, query_mask=tree[:4])
         tri.paged_attention(decode[0], KVCache(small_pages.to(torch.int8), small_pages.to(torch.int8),
                                                torch.ones(16, 2, 8), torch.ones(16, 2, 8)), table, decode[1], lens, 1)
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms

@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashpage.kernels.tree import check_query_mask
+
 
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
@@ -48,13 +50,14 @@ def _exactly(x, dtype):
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, hi, k_start,
                   sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
-                  stride_vb, stride_bt, num_kv_heads, d, d_ok,
+                  stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr):
+                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking.
     TOKEN_SCALES: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
-    probabilities (a quantized cache's values convert to the query's dtype exactly)."""
+    probabilities (a quantized cache's values convert to the query's dtype exactly). TREE: the step's own keys
+    (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
@@ -85,6 +88,10 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
                 visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
             if window_left >= 0:
                 visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+            if TREE:
+                j = kpos - first_new
+                bit = (tree_bits[:, None] >> tl.maximum(j, 0).to(tl.int64)[None, :]) & 1
+                visible = visible & ((j[None, :] < 0) | (bit != 0))
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -111,7 +118,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
 @triton.jit
 def _attend_sequence(
     seq, pid_m, kv_head, split,
-    Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
+    Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,
     sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -119,6 +126,7 @@ def _attend_sequence(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys."""
     q_start = tl.load(CuSeqlensQ + seq)
@@ -162,8 +170,16 @@ def _attend_sequence(
     # Whole tiles below every row's diagonal need no mask (it pays where compute-bound, i.e. not for decode);
     # with a window, every tile is masked.
     unmasked_hi = lo
+    # A token tree: the step's own keys are masked by each row's bits (TreeMask: bit j of row i set where the
+    # sequence's query i sees its query j, its ancestors and itself); every key before them is seen.
+    first_new = k_len - q_len
+    tree_bits = tl.zeros([BLOCK_M], dtype=tl.int64)
+    if TREE:
+        tree_bits = tl.load(TreeMask + q_start + tok, mask=row_ok, other=0)
     if not MASK_EVERY_TILE and window_left < 0 and window_right < 0:
         bound = tl.minimum(hi, first_pos + 1) if CAUSAL else hi
+        if TREE:
+            bound = tl.minimum(bound, first_new)
         unmasked_hi = lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
 
     # A quantized cache's scales (flashpage.kv.cache): an FP8 cache's, one per KV head, scale the scores and the
@@ -179,13 +195,13 @@ def _attend_sequence(
         acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo,
                                       unmasked_hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
                                       stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads,
-                                      d, d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, TMA, UPCAST,
-                                      KV_SCALES == 2)
+                                      d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL,
+                                      False, TMA, UPCAST, KV_SCALES == 2, TREE)
     acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
                                   unmasked_hi, hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
                                   stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads, d,
-                                  d_ok, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA, UPCAST,
-                                  KV_SCALES == 2)
+                                  d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA,
+                                  UPCAST, KV_SCALES == 2, TREE)
 
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if NUM_SPLITS == 1:
@@ -202,7 +218,7 @@ def _attend_sequence(
 @triton.jit
 def _attention_kernel(
     Q, K, V, KScale, VScale, Out, PartOut, PartLse,
-    CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
+    CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,
     num_seqs, sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
     stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -210,7 +226,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
-    PDL: tl.constexpr,
+    TREE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the merge may launch now and wait on the GPU for this grid, instead of launching after it
         tl.extra.cuda.gdc_launch_dependents()
@@ -224,18 +240,18 @@ def _attention_kernel(
     if TMA:
         for seq in range(tl.program_id(1), num_seqs, tl.num_programs(1)):
             _attend_sequence(seq, pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ,
-                             CuSeqlensK, SeqLensK, BlockTable, sm_scale_log2, window_left, window_right,
+                             CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                              num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt,
                              stride_vh, stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph,
                              stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES)
+                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE)
     else:
         _attend_sequence(tl.program_id(1), pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse,
-                         CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, sm_scale_log2, window_left, window_right,
+                         CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                          num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
                          stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph, stride_ls,
                          stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS,
-                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES)
+                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE)
 
 
 @triton.jit
@@ -317,8 +333,10 @@ def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
 
 
 def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, causal, softmax_scale, window_size,
-            num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False, scales=None):
-    """`scales`: a quantized cache's (k_scale, v_scale), per KV head (FP8) or per slot and KV head (INT8)."""
+            num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False, scales=None,
+            tree_mask=None):
+    """`scales`: a quantized cache's (k_scale, v_scale), per KV head (FP8) or per slot and KV head (INT8).
+    `tree_mask`: per query row, the bits of its sequence's queries it sees (paged_attention)."""
     total_q, hq, dim = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
@@ -353,7 +371,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
                   BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
                   NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and interpret,
-                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1)
+                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1, TREE=tree_mask is not None)
     if num_splits == 1:  # the kernel normalises and writes `out` itself
         part, lse, part_strides = out, out, (0, 0, 0, 0, 0)
     else:
@@ -367,7 +385,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     unused = cu_q  # stands in for the pointers the variant does not read
     _attention_kernel[(grid_m, seq_programs, hkv * num_splits)](
         q, k, v, *(scales or (unused, unused)), out, part, lse, cu_q, unused if paged else cu_k,
-        seq_lens_k if paged else unused, block_table if paged else unused, batch, scale, window_size[0],
+        seq_lens_k if paged else unused, block_table if paged else unused,
+        unused if tree_mask is None else tree_mask, batch, scale, window_size[0],
         window_size[1], hkv,
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, *part_strides, **common)
@@ -396,9 +415,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, tiles=None, batch_invariant=False,
-                    out=None):
+                    out=None, query_mask=None):
     """Queries are the last q_len tokens of sequences whose keys sit in a paged cache (a KVCache: k/v
-    [blocks, block_size, Hkv, D]).
+    [blocks, block_size, Hkv, D]). `query_mask`: the queries form token trees (`flashpage.kernels.tree`).
 
     Decode (max_seqlen_q == 1) splits long key ranges over several programs when the batch alone cannot fill
     the GPU (Flash-Decoding); `num_splits` overrides that choice, and `tiles` (BLOCK_M, BLOCK_N, num_warps,
@@ -411,6 +430,8 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     page = k_cache.shape[1]
     if page < 8 or page & (page - 1):
         raise ValueError(f"block size must be a power of two >= 8, got {page}")
+    if query_mask is not None:
+        check_query_mask(query_mask, q, max_seqlen_q, causal, window_size)
     if batch_invariant:
         num_splits = 1
     elif num_splits is None:
@@ -422,7 +443,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     scales = None if kv_cache.k_scale is None else (kv_cache.k_scale, kv_cache.v_scale)
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
                    softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles,
-                   batch_invariant=batch_invariant, scales=scales)
+                   batch_invariant=batch_invariant, scales=scales, tree_mask=query_mask)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device,

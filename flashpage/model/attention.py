@@ -23,9 +23,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # [T] int64: each token's position in its sequence (RoPE; the cache slot was made from it)
     slot_mapping: torch.Tensor | None = None  # [T] int64 cache slot (block * block_size + offset) per new token
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32
-    # Per sequence, which of the step's own query tokens each query may see (a token tree); None: causal. The
-    # kernels take a sequence's queries as its last keys, in order (positions seq_len - q_len ...), until the
-    # tree-attention work teaches them masks.
+    # [T] int64: per query, the bits of its sequence's queries it sees, when they form a token tree
+    # (`flashpage.kernels.tree`; positions then give each node's depth); None: causal.
     query_mask: torch.Tensor | None = None
 
     @classmethod
@@ -43,14 +42,15 @@ class AttentionMetadata:
 def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionMetadata, scale: float,
               sliding_window: int | None):
     """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]."""
-    if meta.query_mask is not None:
-        raise NotImplementedError("attention over a token tree (query_mask) is not supported by the kernels yet")
     # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     if kv_cache is None:
+        if meta.query_mask is not None:
+            raise ValueError("a token tree (query_mask) is attended through the KV cache")
         q, k = ops.rope_and_cache(q, k, cos, sin)
         return ops.flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
                                      meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
     q, k = ops.rope_and_cache(q, k, cos, sin, v, kv_cache, meta.slot_mapping)
     return ops.paged_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
-                               meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
+                               meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window,
+                               query_mask=meta.query_mask)

@@ -1,0 +1,48 @@
+"""Token trees for attention (speculative decoding's tree verification): how a step's queries of one sequence see
+each other.
+
+A sequence's q_len query tokens are the last q_len keys of its cache, in an order where every node comes after its
+parent. `query_mask` [total_q] int64 gives, for each query row, the bits of its sequence's queries it sees: bit j
+set where it sees the sequence's j-th query of the step (its ancestors and itself); every key before the step's
+first query (the cached prefix) is seen by all. A chain (bits 0..i for query i) is ordinary causal attention. At
+most 64 queries per sequence (one int64 per row); positions for the rotary embedding come separately (a node's
+depth), as the kernels mask by a key's place in the cache, not by its position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_TREE_TOKENS = 64
+
+
+def tree_mask(parents: list[int]) -> list[int]:
+    """The bits of each node of a tree given as parents (-1 for a root, else an earlier node's index)."""
+    bits: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p} is not an earlier node of the tree")
+        bits.append((bits[p] if p >= 0 else 0) | 1 << i)
+    if len(parents) > MAX_TREE_TOKENS:
+        raise ValueError(f"a token tree has at most {MAX_TREE_TOKENS} nodes, got {len(parents)}")
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # as int64
+
+
+def check_query_mask(query_mask: torch.Tensor, q: torch.Tensor, max_seqlen_q: int, causal: bool,
+                     window_size) -> None:
+    if query_mask.dtype != torch.int64 or query_mask.shape != (q.shape[0],):
+        raise ValueError(f"query_mask must be int64 [total_q] = [{q.shape[0]}], got {query_mask.dtype} "
+                         f"{tuple(query_mask.shape)}")
+    if max_seqlen_q > MAX_TREE_TOKENS:
+        raise ValueError(f"a token tree has at most {MAX_TREE_TOKENS} query tokens per sequence, got {max_seqlen_q}")
+    if not causal or tuple(window_size) != (-1, -1):
+        raise ValueError("a token tree's attention is causal over the cache, with no sliding window")
+
+
+def tree_visible(bits: torch.Tensor, len_k: int) -> torch.Tensor:
+    """Boolean [len_q, len_k]: which keys each of a sequence's queries (bits [len_q]) sees (reference kernels)."""
+    len_q = bits.shape[0]
+    mask = torch.ones(len_q, len_k, dtype=torch.bool, device=bits.device)
+    j = torch.arange(len_q, device=bits.device)
+    mask[:, len_k - len_q:] = (bits[:, None] >> j[None, :]) & 1 == 1
+    return mask
