@@ -14,6 +14,11 @@ without speculation (the same tokens come out, which is checked), tokens per ver
 3. the same at --batch-sizes concurrent requests, speculation forced on (a = 1 and 0.6), and with the default
    disable_by_batch_size (the load switch), against no speculation;
 4. a draft model (--draft, dummy llama-3.2-1b): the time of its k proposals, as target decode steps.
+
+`trees` (CUDA GPU, dummy weights): one forward of a token tree of 16 / 32 / 64 nodes (branching 1, 2, 4: a chain
+and bushier trees, positions by depth) over a --input-len prompt in the cache, against a plain decode step, batch 1,
+both replayed as CUDA graphs; and each node's logits against its root-to-node path's own forward (beside the same
+path computed as a causal step over the cache: the dtype's own spread).
 Prints tables; `--out` writes JSON.
 """
 
@@ -295,12 +300,89 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def trees(args) -> dict:
+    from flashpage import LLM
+    from flashpage.bench.common import median_ms
+    from flashpage.kernels.tree import breadth_first_tree, depths, tree_mask
+    from flashpage.model.attention import AttentionMetadata
+
+    prompt_len = args.input_len
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype, enforce_eager=True,
+              max_model_len=prompt_len + 80, num_gpu_blocks=-(-(prompt_len + 80) // 16))
+    runner = llm.engine.runner
+    model, caches, dev = runner.model, runner.kv_caches, runner.device
+    table = torch.arange(runner.num_blocks, dtype=torch.int32, device=dev)[None, :]
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(model.config.vocab_size, (prompt_len,), generator=gen).to(dev)
+    keep = []  # the tensors a captured graph reads
+
+    def meta(n, positions, bits, first=prompt_len):
+        """n new tokens after `first` cached ones, in slots first.. (a tree's nodes in order)."""
+        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        lens = torch.tensor([first + n], dtype=torch.int32, device=dev)
+        return AttentionMetadata(cu, lens, n, positions, torch.arange(first, first + n, device=dev), table,
+                                 query_mask=bits)
+
+    def graphed(tokens, positions, bits):
+        m = meta(tokens.numel(), positions, bits)
+        keep.append((tokens, m))
+        run = lambda: model.compute_logits(model(tokens, m, caches))  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = run()
+        return graph, logits
+
+    def alone(path):  # a path's own forward, no cache
+        return model.compute_logits(model(path, AttentionMetadata.prefill([path.numel()], dev))[-1:]).float()[0]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    out = {"gpu": torch.cuda.get_device_name(), "model": args.model, "dtype": args.dtype, "input_len": prompt_len,
+           "trees": []}
+    with torch.inference_mode():
+        model(prompt, meta(prompt_len, torch.arange(prompt_len, device=dev), None, first=0), caches)
+        graph, _ = graphed(prompt[:1], torch.tensor([prompt_len], device=dev), None)
+        out["decode_ms"] = plain = median_ms(graph.replay)
+        print(f"plain decode step: {plain:.3f} ms")
+        print(f"{'nodes':>5s} {'branching':>9s} {'depth':>5s} {'ms':>7s} {'vs decode':>9s} {'node vs path':>12s} "
+              f"{'causal vs path':>14s}")
+        for nodes in (16, 32, 64):
+            for branching in (1, 2, 4):
+                parents = breadth_first_tree(nodes, branching)
+                depth = depths(parents)
+                tokens = torch.randint(model.config.vocab_size, (nodes,), generator=gen).to(dev)
+                positions = torch.tensor([prompt_len + d for d in depth], device=dev)
+                bits = torch.tensor(tree_mask(parents), dtype=torch.int64, device=dev)
+                graph, logits = graphed(tokens, positions, bits)
+                ms = median_ms(graph.replay)
+                graph.replay()
+                logits = logits.float()
+                leaf = nodes - 1  # the deepest node's path, checked against its own forward
+                path_nodes = [leaf]
+                while parents[path_nodes[0]] >= 0:
+                    path_nodes.insert(0, parents[path_nodes[0]])
+                path = torch.cat([prompt, tokens[path_nodes]])
+                expected = alone(path)
+                k = len(path_nodes)
+                causal = model.compute_logits(model(tokens[path_nodes], meta(k, torch.arange(
+                    prompt_len, prompt_len + k, device=dev), None), caches)[-1:]).float()[0]
+                row = {"nodes": nodes, "branching": branching, "depth": max(depth), "ms": ms, "vs_decode": ms / plain,
+                       "node_vs_path": rel(logits[leaf], expected), "causal_vs_path": rel(causal, expected)}
+                out["trees"].append(row)
+                print(f"{nodes:5d} {branching:9d} {row['depth']:5d} {ms:7.3f} {ms / plain:8.2f}x "
+                      f"{row['node_vs_path']:12.2e} {row['causal_vs_path']:14.2e}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["real", "mechanics", "plot"], nargs="?", default="real",
+    p.add_argument("suite", choices=["real", "mechanics", "trees", "plot"], nargs="?", default="real",
                    help="plot: the curve of a mechanics JSON (--out) as a PNG beside it")
-    p.add_argument("--model", default=None, help="real: the default model; mechanics: llama-3-8b (dummy)")
+    p.add_argument("--model", default=None, help="real: the default model; mechanics, trees: llama-3-8b (dummy)")
     p.add_argument("--device", default="auto")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
     p.add_argument("--max-tokens", type=int, default=256)
@@ -326,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         results = real(args)
     else:
         args.model = args.model or "llama-3-8b"
-        results = mechanics(args)
+        results = mechanics(args) if args.suite == "mechanics" else trees(args)
     results["date"] = time.strftime("%Y-%m-%d")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

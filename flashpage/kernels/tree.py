@@ -28,6 +28,19 @@ def tree_mask(parents: list[int]) -> list[int]:
     return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # as int64
 
 
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth (a root's is 0): added to the position of the step's first query, its position."""
+    out: list[int] = []
+    for p in parents:
+        out.append(out[p] + 1 if p >= 0 else 0)
+    return out
+
+
+def breadth_first_tree(nodes: int, branching: int) -> list[int]:
+    """Parents of a tree of `nodes` nodes, each with `branching` children, filled breadth first."""
+    return [-1] + [(i - 1) // branching for i in range(1, nodes)]
+
+
 def check_query_mask(query_mask: torch.Tensor, q: torch.Tensor, max_seqlen_q: int, causal: bool,
                      window_size) -> None:
     if query_mask.dtype != torch.int64 or query_mask.shape != (q.shape[0],):
