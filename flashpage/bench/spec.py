@@ -19,6 +19,9 @@ without speculation (the same tokens come out, which is checked), tokens per ver
 and bushier trees, positions by depth) over a --input-len prompt in the cache, against a plain decode step, batch 1,
 both replayed as CUDA graphs; and each node's logits against its root-to-node path's own forward (beside the same
 path computed as a causal step over the cache: the dtype's own spread).
+`sot` (the default model, CPU or GPU): skeleton-of-thought (`LLM.skeleton_of_thought`) against a plain chat
+answer (greedy, up to --max-tokens), four questions of the paper's generic / knowledge / common-sense kinds: wall
+time, tokens, and how many points the model expanded.
 Prints tables; `--out` writes JSON.
 """
 
@@ -300,6 +303,39 @@ def plot(results: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+SOT_QUESTIONS = ["What are the most effective ways to deal with stress?",
+                 "How can I improve my time management skills?",
+                 "What are the main differences between Python and JavaScript?",
+                 "What should I consider when buying a used car?"]
+
+
+def sot(args) -> dict:
+    from flashpage import LLM
+
+    llm = LLM(args.model, **({"dtype": "float32"} if args.device == "cpu" else {}), device=args.device)
+    plain_params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    llm.skeleton_of_thought(SOT_QUESTIONS[0])  # warm-up
+    rows = []
+    print(f"{'question':62s} {'SoT s':>6s} {'tokens':>6s} {'points':>6s} {'expanded':>8s} {'plain s':>7s} {'tokens':>6s}")
+    for q in SOT_QUESTIONS:
+        start = time.perf_counter()
+        out = llm.skeleton_of_thought(q)
+        sot_s = time.perf_counter() - start
+        sot_tokens = len(out.skeleton_output.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids)
+                                                                        for o in out.point_outputs)
+        start = time.perf_counter()
+        plain = llm.chat([{"role": "user", "content": q}], plain_params, use_tqdm=False)[0].outputs[0]
+        plain_s = time.perf_counter() - start
+        row = {"question": q, "sot_s": sot_s, "skeleton_s": out.skeleton_s, "expand_s": out.expand_s,
+               "sot_tokens": sot_tokens, "points": len(out.points), "expanded": sum(1 for e in out.expansions if e),
+               "plain_s": plain_s, "plain_tokens": len(plain.token_ids), "plain_finish": plain.finish_reason,
+               "sot_text": out.text}
+        rows.append(row)
+        print(f"{q:62s} {sot_s:6.2f} {sot_tokens:6d} {row['points']:6d} {row['expanded']:8d} {plain_s:7.2f} "
+              f"{row['plain_tokens']:6d}", flush=True)
+    return {"model": args.model, "device": str(llm.engine.runner.device), "max_tokens": args.max_tokens, "rows": rows}
+
+
 def trees(args) -> dict:
     from flashpage import LLM
     from flashpage.bench.common import median_ms
@@ -380,7 +416,7 @@ def trees(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["real", "mechanics", "trees", "plot"], nargs="?", default="real",
+    p.add_argument("suite", choices=["real", "mechanics", "trees", "sot", "plot"], nargs="?", default="real",
                    help="plot: the curve of a mechanics JSON (--out) as a PNG beside it")
     p.add_argument("--model", default=None, help="real: the default model; mechanics, trees: llama-3-8b (dummy)")
     p.add_argument("--device", default="auto")
@@ -399,13 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "plot":
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return 0
-    if args.suite == "real":
+    if args.suite in ("real", "sot"):
         from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 
         args.model = args.model or str(resolve_known_model(DEFAULT_MODEL))
         args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
             "cpu" if args.device == "auto" else args.device
-        results = real(args)
+        results = real(args) if args.suite == "real" else sot(args)
     else:
         args.model = args.model or "llama-3-8b"
         results = mechanics(args) if args.suite == "mechanics" else trees(args)

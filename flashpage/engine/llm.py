@@ -1,4 +1,5 @@
-"""LLM: the offline Python API (vLLM's names): generate(), chat(), beam_search(), stream(), stats()."""
+"""LLM: the offline Python API (vLLM's names): generate(), chat(), beam_search(), stream(), stats(); and
+skeleton_of_thought()."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tqdm.auto import tqdm
 
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine, streamable_end
+from flashpage.engine.skeleton import skeleton_of_thought
 from flashpage.errors import ParameterError
 from flashpage.loader.default_model import DEFAULT_MODEL
 from flashpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -64,6 +66,13 @@ class LLM:
         # The rendered template already holds any BOS it wants, so no special tokens are added (as transformers).
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def skeleton_of_thought(self, question: str, sampling_params: SamplingParams | None = None, *,
+                            max_points: int = 10, skeleton_max_tokens: int = 200, use_tqdm: bool = False):
+        """Skeleton-of-thought: a skeleton of short numbered points first, then every point expanded in one batch
+        sharing the question's and skeleton's blocks (`flashpage.engine.skeleton`)."""
+        return skeleton_of_thought(self, question, sampling_params, max_points=max_points,
+                                   skeleton_max_tokens=skeleton_max_tokens, use_tqdm=use_tqdm)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         tok = self._require_tokenizer()
