@@ -12,12 +12,14 @@ from flashpage import SamplingParams
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine, streamable_end
 from flashpage.engine.spec import propose_ngram
+from flashpage.engine.spec.ngram import propose_ngram_tree
 from flashpage.errors import ParameterError
 from flashpage.kernels import reference, sampling
 from flashpage.model import AttentionMetadata
 from test_engine import mixed_workload, run, tiny_engine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM_TREE = {**NGRAM, "tree_width": 3}  # several matches' continuations merged into a token tree
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
@@ -30,6 +32,14 @@ def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
     assert propose_ngram([1, 2, 1], 5, 1, 1) == [2, 1]  # fewer than k after the match
 
 
+def test_prompt_lookup_tree_merges_the_latest_distinct_continuations():
+    tokens = [1, 2, 7, 8, 1, 2, 7, 9, 1, 2, 5, 6, 1, 2]
+    assert propose_ngram_tree(tokens, 2, 1, 2, 3) == ([5, 6, 7, 9, 8], [-1, 0, -1, 2, 2])
+    assert propose_ngram_tree(tokens, 2, 1, 2, 1) == ([5, 6], [-1, 0])
+    assert propose_ngram_tree([3, 3, 3], 2, 1, 2, 4) == ([3], [-1])  # one continuation (twice): a chain
+    assert propose_ngram_tree([1, 2, 3], 2, 1, 2, 2) == ([], [])
+
+
 @pytest.mark.parametrize("bad,match", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
@@ -39,6 +49,8 @@ def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
     ({"method": "draft_model", "num_speculative_tokens": 2}, "must name the draft model"),
     ({"model": "no-such-model", "num_speculative_tokens": 2}, "draft model: unknown model 'no-such-model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 16, "tree_width": 4}, "tree_width must be an integer >= 1 with"),
+    ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to method ngram only"),
 ])
 def test_bad_speculative_config_is_one_clear_error(bad, match):
     with pytest.raises(ParameterError, match=match):
@@ -136,7 +148,7 @@ def greedy_texts(llm):
     return [tok.encode(p) for p in prompts]
 
 
-@pytest.mark.parametrize("speculative_config", [NGRAM, "self-draft"])
+@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE, "self-draft"])
 def test_speculation_is_token_identical_on_smollm_with_chunks_preemption_and_prefix_hits(smollm_llm, smollm_gguf,
                                                                                         speculative_config):
     """Greedy decoding with proposals = without, in a batch with chunked prefill, a cache too small (preemption)
@@ -149,6 +161,7 @@ def test_speculation_is_token_identical_on_smollm_with_chunks_preemption_and_pre
     base = run(engine_from(smollm_llm), prompts, params)
     engine = engine_from(smollm_llm, speculative_config=speculative_config, max_num_batched_tokens=40,
                          num_gpu_blocks=14)
+    trees = count_trees(engine)
     outs = run(engine, prompts, params)
     for b, o in zip(base, outs):
         assert (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) == \
@@ -156,19 +169,33 @@ def test_speculation_is_token_identical_on_smollm_with_chunks_preemption_and_pre
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_num_accepted_tokens"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if speculative_config.get("tree_width", 1) > 1:
+        assert trees[0] > 0  # some steps verified a tree, not a chain
     if "model" in speculative_config:
         assert stats["spec_acceptance_rate"] == 1.0
         assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks
 
 
-def test_prompt_lookup_keeps_seeded_sampling_token_identical():
+def count_trees(engine) -> list[int]:
+    """[how many token trees the engine's proposer has proposed so far], kept up to date."""
+    count, propose = [0], engine.proposer.propose
+
+    def counting(running):
+        propose(running)
+        count[0] += sum(s.proposal_parents is not None for s in running)
+    engine.proposer.propose = counting
+    return count
+
+
+@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE])
+def test_prompt_lookup_keeps_seeded_sampling_token_identical(speculative_config):
     """Verifying a point-mass proposal by the draw that decoding would make anyway (same seed, same position) is
     the rejection sampler for that proposal, and keeps every sampled, seeded, penalised or filtered token as it
     would be without speculation."""
     prompts, params = mixed_workload()
     prompts = [p + p[:20] for p in prompts]  # something to look up
     base = run(tiny_engine(max_num_batched_tokens=48), prompts, params)
-    engine = tiny_engine(max_num_batched_tokens=48, speculative_config=NGRAM)
+    engine = tiny_engine(max_num_batched_tokens=48, speculative_config=speculative_config)
     spec = run(engine, prompts, params)
     for b, s in zip(base, spec):
         assert [(c.token_ids, c.finish_reason) for c in b.outputs] == [(c.token_ids, c.finish_reason) for c in s.outputs]

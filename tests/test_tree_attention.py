@@ -13,7 +13,7 @@ import torch
 from conftest import DEVICE, rel_err
 from flashpage.kernels import reference as ref
 from flashpage.kernels import triton_ops as tri
-from flashpage.kernels.tree import MAX_TREE_TOKENS, tree_mask
+from flashpage.kernels.tree import MAX_TREE_TOKENS, ancestors, tree_mask
 from flashpage.kv import KVCache, allocate_kv_caches
 from flashpage.model.attention import AttentionMetadata
 from test_kernels import TOL, cu, nan_like, paged_case, rand
@@ -34,14 +34,6 @@ def random_tree(rng: random.Random, max_nodes: int, max_depth: int, max_branch: 
             depth.append(depth[node] + 1)
             frontier.append(len(parents) - 1)
     return parents
-
-
-def ancestors(parents: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def node_by_node(q, k_cache, v_cache, table, prefix_lens, trees, scale):
@@ -69,17 +61,19 @@ CASES = [
     ([50, 0, 129], [(12, 3, 4), (5, 8, 1), (30, 5, 3)], 16, 8, 2, 64),  # a chain, a prompt that is all tree
     ([20, 300], [(64, 8, 4), (17, 4, 2)], 8, 9, 3, 64),  # the largest tree, pages of 8, SmolLM2's heads
     ([70], [(9, 1, 4)], 16, 4, 4, 80),  # depth 1 (all siblings), head dim 80
+    ([33, 10], [(12, 3, 3), "chain 90"], 16, 8, 2, 64),  # beside a 90-token prompt chunk, whose rows take -1
 ]
 
 
 @pytest.mark.parametrize("prefix_lens,shapes,page,hq,hkv,dim", CASES)
 def test_tree_attention_matches_node_by_node(prefix_lens, shapes, page, hq, hkv, dim):
     rng = random.Random(sum(prefix_lens) + page)
-    trees = [random_tree(rng, *shape) for shape in shapes]
+    trees = [list(range(-1, int(s.split()[1]) - 1)) if isinstance(s, str) else random_tree(rng, *s) for s in shapes]
     lens_q = [len(t) for t in trees]
     lens_k = [p + n for p, n in zip(prefix_lens, lens_q)]
     k_cache, v_cache, table, seq_lens, cu_q = paged_case(lens_k, lens_q, page, hkv, dim, torch.bfloat16)
-    bits = torch.tensor([b for t in trees for b in tree_mask(t)], dtype=torch.int64, device=DEVICE)
+    bits = torch.tensor([b for s, t in zip(shapes, trees) for b in ([-1] * len(t) if isinstance(s, str) else
+                                                                      tree_mask(t))], dtype=torch.int64, device=DEVICE)
     q = rand(sum(lens_q), hq, dim, dtype=torch.bfloat16)
     expected = node_by_node(q, k_cache, v_cache, table, prefix_lens, trees, dim**-0.5)
     out = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, max(lens_q), out=nan_like(q),
@@ -130,12 +124,11 @@ def test_bad_trees_are_named():
     k_cache, v_cache, table, seq_lens, cu_q = paged_case([70], [65], 16, 2, 64, torch.float32)
     q = rand(65, 4, 64, dtype=torch.float32)
     cache = KVCache(k_cache, v_cache)
-    for bits, kw, match in [(torch.zeros(65, dtype=torch.int64), {}, "at most 64 query tokens"),
-                            (torch.zeros(65, dtype=torch.int32), {}, "int64"),
-                            (torch.zeros(64, dtype=torch.int64), {}, r"\[total_q\] = \[65\]")]:
+    for bits, match in [(torch.zeros(65, dtype=torch.int32), "int64"),
+                        (torch.zeros(64, dtype=torch.int64), r"\[total_q\] = \[65\]")]:
         for kernels in (tri, ref):
             with pytest.raises(ValueError, match=match):
-                kernels.paged_attention(q, cache, table, cu_q, seq_lens, 65, query_mask=bits, **kw)
+                kernels.paged_attention(q, cache, table, cu_q, seq_lens, 65, query_mask=bits)
     with pytest.raises(ValueError, match="no sliding window"):
         tri.paged_attention(q[:3], cache, table, cu([3]), seq_lens, 3, query_mask=torch.ones(3, dtype=torch.int64),
                             window_size=(8, 0))

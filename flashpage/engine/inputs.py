@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from flashpage.engine.step import StepPlan
+from flashpage.kernels.tree import tree_mask
 from flashpage.kv import slot
 from flashpage.model import AttentionMetadata
 
@@ -45,9 +46,11 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
             deferred += [len(tokens) + pad + n - 1, s.last_token_from_row]
         tokens += [0] * pad + s.token_ids
         positions += [max(0, s.positions[0] - pad + i) for i in range(pad)] + s.positions
-        slots += [-1] * pad + [slot(s.block_table, p, block_size) for p in s.positions]
+        # (a token tree's tokens take consecutive slots, whatever their positions)
+        places = range(s.positions[0], s.positions[0] + n) if s.tree else s.positions
+        slots += [-1] * pad + [slot(s.block_table, p, block_size) for p in places]
         cu.append(cu[-1] + n + pad)
-        seq_lens.append(s.positions[-1] + 1)
+        seq_lens.append(places[-1] + 1)
         logits_index += range(cu[-1] - s.num_logits, cu[-1])
     padding = rows - len(seqs)
     per_row = q_len or 1
@@ -64,4 +67,7 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
         [n, n, n, rows, rows + 1, rows * width, len(deferred)])
     meta = AttentionMetadata(cu_t.int(), lens_t.int(), q_len or max(len(s.token_ids) for s in seqs), positions_t,
                              slots_t, table_t.int().view(rows, width))
+    if any(s.tree for s in seqs):  # token trees: their rows' bits; every other row sees causally (-1)
+        bits = [b for s in seqs for b in (tree_mask(s.tree) if s.tree else [-1] * len(s.token_ids))]
+        meta.query_mask = upload(bits, torch.int64, device)
     return StepInputs(ids, meta, logits_index, deferred_t)

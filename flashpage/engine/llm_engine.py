@@ -262,12 +262,15 @@ class LLMEngine:
         if not self.proposer:
             return False
         for seq in running:  # (what the last step left unscheduled is stale)
-            seq.proposal, seq.proposal_rows = [], None
+            seq.proposal, seq.proposal_rows, seq.proposal_parents = [], None, None
         if len(running) > (self.spec.disable_by_batch_size or len(running)):
             return False
         self.proposer.propose(running)
         for seq in running:  # only what the grammar allows can be kept: the rest is cut before it is computed
             if seq.grammar is not None and seq.proposal:
+                if seq.proposal_parents:  # a tree's first branch only (its first nodes, each the last one's child)
+                    branch = next((i for i, p in enumerate(seq.proposal_parents) if p != i - 1), len(seq.proposal))
+                    seq.proposal, seq.proposal_parents = seq.proposal[:branch], None
                 seq.proposal = seq.proposal[:seq.grammar.validate_tokens(seq.proposal)]
         return True
 
@@ -283,7 +286,12 @@ class LLMEngine:
             if seq is None or seq.finished:
                 continue  # finished (or aborted) while this step ran: its tokens are dropped
             drawn = list(drawn)
-            if seq.verifying:  # keep proposed tokens while each equals the token drawn before it, plus one more
+            if seq.verifying_parents:  # a tree: from its root, go down to the child holding the token drawn
+                proposal, kept = seq.verifying, walk_tree(seq.verifying, seq.verifying_parents, drawn)
+                self.spec_stats.record(len(proposal), len(kept))
+                self.scheduler.accept(seq, len(kept), kept)
+                drawn = [drawn[0]] + [drawn[i + 1] for i in kept]
+            elif seq.verifying:  # keep proposed tokens while each equals the token drawn before it, plus one more
                 proposal = seq.verifying
                 accepted = next((i for i, (p, t) in enumerate(zip(proposal, drawn)) if p != t.token_id), len(proposal))
                 self.spec_stats.record(len(proposal), accepted)
@@ -371,6 +379,22 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             **(self.spec_stats.as_dict() if self.spec else {}),
         }
+
+
+def walk_tree(tokens: list[int], parents: list[int], drawn) -> list[int]:
+    """The proposed nodes kept from a verified token tree: from the sequence's last token (drawn[0] drawn after
+    it; drawn[i + 1] after node i), down to the child whose token is the one drawn, while there is one. Lossless as
+    a chain's check: each drawn token is the model's own draw at its place, whatever was proposed."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    kept, node = [], -1
+    while True:
+        t = drawn[node + 1].token_id
+        node = next((c for c in children.get(node, []) if tokens[c] == t), None)
+        if node is None:
+            return kept
+        kept.append(node)
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

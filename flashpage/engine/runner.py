@@ -208,6 +208,17 @@ class ModelRunner:
         logits and, for sequences that asked for prompt log-probs, {seq_id: (their prompt rows' logits, the
         targets, k)}."""
         dev = self.device
+        if plan.moves:  # a verified tree's kept tokens into their places (before any block copy reuses a block)
+            src = upload([m[0] for m in plan.moves], torch.int64, dev)
+            dst = upload([m[1] for m in plan.moves], torch.int64, dev)
+            page = self.block_size
+            for cache in self.kv_caches:
+                for c in (cache.k.view(torch.uint8), cache.v.view(torch.uint8)):
+                    flat = c.view(-1, *c.shape[2:])
+                    flat[dst] = flat[src]
+                if cache.scaled_per_token:  # INT8's scales, [blocks, heads, block_size]
+                    for s in (cache.k_scale, cache.v_scale):
+                        s[dst // page, :, dst % page] = s[src // page, :, src % page]
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
             dst = upload([c.dst for c in plan.copies], torch.int64, dev)
@@ -267,7 +278,8 @@ class ModelRunner:
     def _graph_for(self, seqs) -> tuple[int, int] | None:
         """The captured graph (batch size, tokens per sequence) that runs these sequences, if any: a decode step
         (one token each), or a verify step (each a last token and its proposals, every token giving logits)."""
-        if not self.graphs or any(s.prompt_logprobs is not None or s.num_logits != len(s.token_ids) for s in seqs):
+        if not self.graphs or any(s.prompt_logprobs is not None or s.num_logits != len(s.token_ids) or s.tree
+                                  for s in seqs):
             return None
         q = 1 if all(len(s.token_ids) == 1 for s in seqs) else self.verify_len
         if any(len(s.token_ids) > q for s in seqs):

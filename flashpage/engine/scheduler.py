@@ -21,7 +21,8 @@ from collections import deque
 
 from flashpage.engine.sequence import FINISHED, PENDING, RUNNING, WAITING, Sequence
 from flashpage.engine.step import SampleSpec, SeqStep, StepPlan
-from flashpage.kv import BlockManager
+from flashpage.kernels.tree import ancestors, depths
+from flashpage.kv import BlockManager, slot
 
 log = logging.getLogger("flashpage.scheduler")
 
@@ -38,12 +39,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at first admission
         self.prefix_hits = 0  # of those, tokens whose cached K/V was reused
+        self.moves: list[tuple[int, int]] = []  # verified trees' slot moves, for the next plan
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> StepPlan:
-        out = StepPlan()
+        out = StepPlan(moves=self.moves)
+        self.moves = []
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
@@ -55,6 +58,8 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             proposal = seq.proposal[:max(0, min(budget - n, seq.room(self.max_model_len) - 1))] \
                 if seq.proposal and n == seq.num_uncomputed and not seq.num_pending else []
+            if seq.proposal_parents and len(proposal) < len(seq.proposal):  # a tree is verified whole or not at all
+                proposal = []
             if self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > self.bm.num_free_blocks:
                 proposal = []
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
@@ -65,7 +70,8 @@ class Scheduler:
                     break
             if seq.status != RUNNING:
                 break  # it was the newest: everything after it is preempted too
-            forked = self._schedule(seq, n, out, proposal, seq.proposal_rows)
+            forked = self._schedule(seq, n, out, proposal, seq.proposal_rows,
+                                    seq.proposal_parents if proposal else None)
             budget -= n + len(proposal)
             i += 1 + forked  # samples forked off it now are computed from the next step on
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -89,8 +95,9 @@ class Scheduler:
         return out
 
     def _schedule(self, seq: Sequence, n: int, plan: StepPlan, proposal: list[int] = (),
-                  draft_rows: list[int] | None = None) -> int:
-        """Put `n` of its tokens (and a proposal) in the plan; returns how many samples it forked off (n > 1)."""
+                  draft_rows: list[int] | None = None, parents: list[int] | None = None) -> int:
+        """Put `n` of its tokens (and a proposal: a chain, or a tree of `parents`) in the plan; returns how many
+        samples it forked off (n > 1)."""
         start, m = seq.num_computed, len(proposal)
         plan.copies += self.bm.append_slots(seq.seq_id, n + m)
         seq.num_computed += n
@@ -101,6 +108,11 @@ class Scheduler:
             tokens[-1], from_row = 0, seq.pending_row
         step = SeqStep(seq.seq_id, tokens, list(range(start, start + n + m)), list(self.bm.table(seq.seq_id)),
                        last_token_from_row=from_row)
+        paths = [proposal[:i] for i in range(m + 1)]  # the proposed tokens before each sample row
+        if parents:  # n == 1: the last token, then the tree by depth
+            step.tree = [-1] + [p + 1 for p in parents]
+            step.positions = [start + d for d in depths(step.tree)]
+            paths = [[proposal[j - 1] for j in ancestors(step.tree, i)[1:]] for i in range(m + 1)]
         last_prompt = seq.num_prompt_tokens - 1
         if seq.params.prompt_logprobs is not None and start < last_prompt and len(seq.prompt_logprobs) == start + 1:
             step.prompt_logprobs = seq.params.prompt_logprobs  # (not again when a preempted prompt is recomputed)
@@ -109,8 +121,8 @@ class Scheduler:
             step.num_logits = 1 + m
         row = plan.add(step)
         if m:  # a row after the last token and after each proposed one; the first is the PENDING token
-            seq.verifying = list(proposal)
-            specs = [SampleSpec(seq.seq_id, row + i, seq.sample_row(proposal[:i])) for i in range(m + 1)]
+            seq.verifying, seq.verifying_parents = list(proposal), parents
+            specs = [SampleSpec(seq.seq_id, row + i, seq.sample_row(paths[i])) for i in range(m + 1)]
             if draft_rows is not None:  # drawn from a draft model's distribution: the rejection sampler checks them
                 for spec, token, q_row in zip(specs, proposal, draft_rows):
                     spec.draft_token, spec.draft_row = token, q_row
@@ -133,11 +145,16 @@ class Scheduler:
         seq.pending_row = sample_row
         seq.last_pending = seq.ends_at(len(seq.token_ids), self.max_model_len)
 
-    def accept(self, seq: Sequence, num_accepted: int) -> None:
-        """Its step verified the first `num_accepted` proposed tokens: their K/V is kept, the rest given back."""
+    def accept(self, seq: Sequence, num_accepted: int, kept: list[int] | None = None) -> None:
+        """Its step verified the first `num_accepted` proposed tokens (of a tree: the proposed tokens `kept`, a
+        path from the root): their K/V is kept, moved into place by the next step, the rest given back."""
+        if kept:
+            table = self.bm.table(seq.seq_id)
+            self.moves += [(slot(table, seq.num_computed + i, self.bm.block_size),
+                            slot(table, seq.num_computed + k, self.bm.block_size)) for k, i in enumerate(kept) if i != k]
         seq.num_computed += num_accepted
         self.bm.truncate(seq.seq_id, len(seq.verifying) - num_accepted)
-        seq.verifying = []
+        seq.verifying, seq.verifying_parents = [], None
 
     def commit(self, seq: Sequence) -> None:
         """Publish the sequence's known tokens whose K/V is computed (or being computed) to the prefix cache."""

@@ -39,7 +39,9 @@ class Sequence:
     first_scheduled_time: float | None = None  # time.time() of its first admission
     proposal: list[int] = field(default_factory=list)  # speculative tokens proposed for its next step
     proposal_rows: list[int] | None = None  # their rows of the draft model's probabilities (None: prompt lookup)
+    proposal_parents: list[int] | None = None  # a token tree's: each proposed token's parent (-1: the last token)
     verifying: list[int] = field(default_factory=list)  # the proposal its step in flight verifies
+    verifying_parents: list[int] | None = None  # and its tree
     grammar: object | None = None  # its structured-output matcher (llguidance.LLMatcher): fed every token it keeps
 
     @property

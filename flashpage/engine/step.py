@@ -28,6 +28,9 @@ class SeqStep:
     last_token_from_row: int | None = None  # token_ids[-1] is the previous step's sampled token of this row
     prompt_logprobs: int | None = None  # top-k log-probs of each prompt token this step's tokens predict
     prompt_targets: list[int] | None = None  # those prompt tokens (token_ids[i] predicts [i])
+    # A token tree (its last token and a proposed tree): each token's parent among token_ids (-1: none). Its
+    # tokens take consecutive cache slots from positions[0] on; positions are then by depth.
+    tree: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -56,6 +59,8 @@ class StepPlan:
     seqs: list[SeqStep] = field(default_factory=list)
     samples: list[SampleSpec] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)  # block copies (copy-on-write) to do before the step
+    moves: list[tuple[int, int]] = field(default_factory=list)  # (from, to) cache slots to copy before those: a
+    # verified tree's kept tokens into their places
     num_logits: int = 0  # logits rows of all seqs
 
     def add(self, step: SeqStep) -> int:

@@ -90,8 +90,8 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
                 visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
             if TREE:
                 j = kpos - first_new
-                bit = (tree_bits[:, None] >> tl.maximum(j, 0).to(tl.int64)[None, :]) & 1
-                visible = visible & ((j[None, :] < 0) | (bit != 0))
+                bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)[None, :]) & 1
+                visible = visible & ((j[None, :] < 0) | (j[None, :] >= 64) | (bit != 0))
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -431,7 +431,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     if page < 8 or page & (page - 1):
         raise ValueError(f"block size must be a power of two >= 8, got {page}")
     if query_mask is not None:
-        check_query_mask(query_mask, q, max_seqlen_q, causal, window_size)
+        check_query_mask(query_mask, q, causal, window_size)
     if batch_invariant:
         num_splits = 1
     elif num_splits is None:

@@ -52,7 +52,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None):
     if query_mask is not None:
-        check_query_mask(query_mask, q, max_seqlen_q, causal, window_size)
+        check_query_mask(query_mask, q, causal, window_size)
     out = torch.empty_like(q) if out is None else out
     cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     page = kv_cache.block_size

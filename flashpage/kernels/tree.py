@@ -4,9 +4,11 @@ each other.
 A sequence's q_len query tokens are the last q_len keys of its cache, in an order where every node comes after its
 parent. `query_mask` [total_q] int64 gives, for each query row, the bits of its sequence's queries it sees: bit j
 set where it sees the sequence's j-th query of the step (its ancestors and itself); every key before the step's
-first query (the cached prefix) is seen by all. A chain (bits 0..i for query i) is ordinary causal attention. At
-most 64 queries per sequence (one int64 per row); positions for the rotary embedding come separately (a node's
-depth), as the kernels mask by a key's place in the cache, not by its position.
+first query (the cached prefix) is seen by all. A chain (bits 0..i for query i, or simply -1) is ordinary causal
+attention. A tree has at most 64 nodes (one int64 per row); a row's step queries past the 64th are seen causally,
+so the rows of other sequences in the batch (prompt chunks of any length) take -1. Positions for the rotary
+embedding come separately (a node's depth), as the kernels mask by a key's place in the cache, not by its
+position.
 """
 
 from __future__ import annotations
@@ -36,18 +38,24 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def ancestors(parents: list[int], i: int) -> list[int]:
+    """The path from node i's root down to node i (both included)."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
 def breadth_first_tree(nodes: int, branching: int) -> list[int]:
     """Parents of a tree of `nodes` nodes, each with `branching` children, filled breadth first."""
     return [-1] + [(i - 1) // branching for i in range(1, nodes)]
 
 
-def check_query_mask(query_mask: torch.Tensor, q: torch.Tensor, max_seqlen_q: int, causal: bool,
-                     window_size) -> None:
+def check_query_mask(query_mask: torch.Tensor, q: torch.Tensor, causal: bool, window_size) -> None:
     if query_mask.dtype != torch.int64 or query_mask.shape != (q.shape[0],):
         raise ValueError(f"query_mask must be int64 [total_q] = [{q.shape[0]}], got {query_mask.dtype} "
                          f"{tuple(query_mask.shape)}")
-    if max_seqlen_q > MAX_TREE_TOKENS:
-        raise ValueError(f"a token tree has at most {MAX_TREE_TOKENS} query tokens per sequence, got {max_seqlen_q}")
     if not causal or tuple(window_size) != (-1, -1):
         raise ValueError("a token tree's attention is causal over the cache, with no sliding window")
 
@@ -56,6 +64,6 @@ def tree_visible(bits: torch.Tensor, len_k: int) -> torch.Tensor:
     """Boolean [len_q, len_k]: which keys each of a sequence's queries (bits [len_q]) sees (reference kernels)."""
     len_q = bits.shape[0]
     mask = torch.ones(len_q, len_k, dtype=torch.bool, device=bits.device)
-    j = torch.arange(len_q, device=bits.device)
-    mask[:, len_k - len_q:] = (bits[:, None] >> j[None, :]) & 1 == 1
+    j = torch.arange(min(len_q, MAX_TREE_TOKENS), device=bits.device)
+    mask[:, len_k - len_q:len_k - len_q + j.numel()] = (bits[:, None] >> j[None, :]) & 1 == 1
     return mask

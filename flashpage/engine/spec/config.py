@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from flashpage.errors import ParameterError
+from flashpage.kernels.tree import MAX_TREE_TOKENS
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify step costs more than the tokens it can win (docs/spec.md)
@@ -18,6 +19,9 @@ class SpeculativeConfig:
     model: str | None = None  # the draft (a directory, .gguf file or known name); draft_model only
     prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence to look up
     prompt_lookup_max: int = 4  # ngram: longest (the longest match found wins)
+    # ngram: up to this many distinct continuations (the latest matches of the longest suffix that has any),
+    # merged into one token tree verified in one step (SpecInfer); 1: one chain
+    tree_width: int = 1
     # No proposals in a step with more running sequences than this (None: always propose). A large batch is
     # compute-bound: verifying there costs about what it wins (H100, llama-3-8b: at a third of proposals accepted,
     # 1.19x at 32 sequences, 0.89x at 64; docs/spec.md).
@@ -59,6 +63,12 @@ class SpeculativeConfig:
                     bad(key, f"must be an integer >= 1, got {v!r}")
             if lo > hi:
                 bad("prompt_lookup_min", f"({lo}) must not exceed prompt_lookup_max ({hi})")
+            width = d.get("tree_width", cls.tree_width)
+            if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width * k >= MAX_TREE_TOKENS:
+                bad("tree_width", f"must be an integer >= 1 with tree_width x num_speculative_tokens < "
+                                  f"{MAX_TREE_TOKENS} (a tree and the token before it), got {width!r}")
+        elif d.get("tree_width", 1) != 1:
+            bad("tree_width", "applies to method ngram only")
         limit = d.get("disable_by_batch_size")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             bad("disable_by_batch_size", f"must be an integer >= 1 or None, got {limit!r}")

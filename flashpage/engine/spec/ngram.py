@@ -12,6 +12,38 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
+def propose_ngram_tree(tokens: list[int], k: int, min_n: int, max_n: int, width: int) -> tuple[list[int], list[int]]:
+    """Up to `width` distinct continuations of up to k tokens, from the latest matches of the longest recurring
+    suffix, merged into a token tree: (tokens, parents), parents before children, -1 for a child of the sequence's
+    last token. ([], []) where no suffix recurs."""
+    size = len(tokens)
+    if size < min_n + 1:
+        return [], []
+    arr = np.asarray(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(arr[:size - 1], n) == arr[size - n:]).all(1))
+        if not hits.size:
+            continue
+        nodes, parents, children = [], [], {}  # children: (parent, token) -> node
+        found = set()
+        for start in hits[::-1] + n:
+            candidate = tuple(tokens[start:start + k])
+            if candidate in found:
+                continue
+            found.add(candidate)
+            parent = -1
+            for t in candidate:
+                if (parent, t) not in children:
+                    children[parent, t] = len(nodes)
+                    nodes.append(t)
+                    parents.append(parent)
+                parent = children[parent, t]
+            if len(found) == width:
+                break
+        return nodes, parents
+    return [], []
+
+
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k proposed next tokens for `tokens` (prompt + output so far); [] where no suffix recurs."""
     size = len(tokens)
@@ -33,11 +65,18 @@ class NgramProposer:
 
     def __init__(self, spec):
         self.k, self.min_n, self.max_n = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.width = spec.tree_width
 
     def propose(self, running) -> None:
         for seq in running:
-            if seq.num_uncomputed == 1 and not seq.num_pending:  # decoding, every token known
+            if seq.num_uncomputed != 1 or seq.num_pending:  # not decoding with every token known
+                continue
+            if self.width == 1:
                 seq.proposal = propose_ngram(seq.token_ids, self.k, self.min_n, self.max_n)
+                continue
+            seq.proposal, parents = propose_ngram_tree(seq.token_ids, self.k, self.min_n, self.max_n, self.width)
+            if parents != list(range(-1, len(parents) - 1)):  # (a single continuation stays a chain)
+                seq.proposal_parents = parents
 
     def release(self, seq_id: int) -> None:
         pass
