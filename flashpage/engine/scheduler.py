@@ -108,11 +108,9 @@ class Scheduler:
             tokens[-1], from_row = 0, seq.pending_row
         step = SeqStep(seq.seq_id, tokens, list(range(start, start + n + m)), list(self.bm.table(seq.seq_id)),
                        last_token_from_row=from_row)
-        paths = [proposal[:i] for i in range(m + 1)]  # the proposed tokens before each sample row
         if parents:  # n == 1: the last token, then the tree by depth
             step.tree = [-1] + [p + 1 for p in parents]
             step.positions = [start + d for d in depths(step.tree)]
-            paths = [[proposal[j - 1] for j in ancestors(step.tree, i)[1:]] for i in range(m + 1)]
         last_prompt = seq.num_prompt_tokens - 1
         if seq.params.prompt_logprobs is not None and start < last_prompt and len(seq.prompt_logprobs) == start + 1:
             step.prompt_logprobs = seq.params.prompt_logprobs  # (not again when a preempted prompt is recomputed)
@@ -122,6 +120,9 @@ class Scheduler:
         row = plan.add(step)
         if m:  # a row after the last token and after each proposed one; the first is the PENDING token
             seq.verifying, seq.verifying_parents = list(proposal), parents
+            # each row draws after the proposed tokens on its way: a chain's first i, a tree node's path
+            paths = [[proposal[j - 1] for j in ancestors(step.tree, i)[1:]] for i in range(m + 1)] if parents else \
+                [proposal[:i] for i in range(m + 1)]
             specs = [SampleSpec(seq.seq_id, row + i, seq.sample_row(paths[i])) for i in range(m + 1)]
             if draft_rows is not None:  # drawn from a draft model's distribution: the rejection sampler checks them
                 for spec, token, q_row in zip(specs, proposal, draft_rows):
