@@ -211,21 +211,13 @@ class ModelRunner:
         if plan.moves:  # a verified tree's kept tokens into their places (before any block copy reuses a block)
             src = upload([m[0] for m in plan.moves], torch.int64, dev)
             dst = upload([m[1] for m in plan.moves], torch.int64, dev)
-            page = self.block_size
             for cache in self.kv_caches:
-                for c in (cache.k.view(torch.uint8), cache.v.view(torch.uint8)):
-                    flat = c.view(-1, *c.shape[2:])
-                    flat[dst] = flat[src]
-                if cache.scaled_per_token:  # INT8's scales, [blocks, heads, block_size]
-                    for s in (cache.k_scale, cache.v_scale):
-                        s[dst // page, :, dst % page] = s[src // page, :, src % page]
+                cache.copy_slots(src, dst)
         if plan.copies:
             src = upload([c.src for c in plan.copies], torch.int64, dev)
             dst = upload([c.dst for c in plan.copies], torch.int64, dev)
-            for cache in self.kv_caches:  # (as bytes: CUDA indexes no FP8 tensors); INT8's scales go along
-                per_slot = (cache.k_scale, cache.v_scale) if cache.scaled_per_token else ()
-                for c in (cache.k.view(torch.uint8), cache.v.view(torch.uint8), *per_slot):
-                    c[dst] = c[src]
+            for cache in self.kv_caches:
+                cache.copy_blocks(src, dst)
         seqs = plan.seqs
         graph_key = self._graph_for(seqs)
         inputs = prepare_inputs(plan, self.block_size, dev, *graph_key) if graph_key else \

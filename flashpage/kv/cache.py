@@ -47,6 +47,22 @@ class KVCache:
         """INT8: each slot has its own scales, which move with its block (copy-on-write copies them)."""
         return self.k.dtype == torch.int8
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Blocks src -> dst (copy-on-write), an INT8 cache's scales along; as bytes (CUDA indexes no FP8 tensor)."""
+        per_slot = (self.k_scale, self.v_scale) if self.scaled_per_token else ()
+        for c in (self.k.view(torch.uint8), self.v.view(torch.uint8), *per_slot):
+            c[dst] = c[src]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Token slots (block * block_size + offset) src -> dst, an INT8 cache's scales along."""
+        for c in (self.k.view(torch.uint8), self.v.view(torch.uint8)):
+            flat = c.view(-1, *c.shape[2:])
+            flat[dst] = flat[src]
+        if self.scaled_per_token:  # [blocks, heads, block_size]
+            page = self.block_size
+            for s in (self.k_scale, self.v_scale):
+                s[dst // page, :, dst % page] = s[src // page, :, src % page]
+
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V (with an INT8 cache's per-token scales)."""
