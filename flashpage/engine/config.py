@@ -12,6 +12,7 @@ import json
 import typing
 from dataclasses import dataclass, field
 
+from flashpage.engine.sparse import SparseAttentionConfig
 from flashpage.engine.spec.config import SpeculativeConfig
 from flashpage.errors import ParameterError
 from flashpage.loader.default_model import DEFAULT_MODEL
@@ -56,6 +57,8 @@ class EngineConfig:
                                          "processes over gloo); under torchrun, its world size")
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
                                                "line): method ngram or draft_model, num_speculative_tokens, ...")
+    sparse_attention: dict | None = _setting(None, "opt-in, lossy sparse attention (JSON on the command line): "
+                                             '{"method": "sparq", "r": 16, "k": 256}, SparQ for decode')
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -86,10 +89,15 @@ class EngineConfig:
         if not self.cpu_kv_cache_gb > 0:
             raise ParameterError("cpu_kv_cache_gb", f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb}")
         self.speculative  # (checks it)
+        self.sparse
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
+
+    @property
+    def sparse(self) -> SparseAttentionConfig | None:
+        return SparseAttentionConfig.from_dict(self.sparse_attention) if self.sparse_attention is not None else None
 
     @classmethod
     def from_settings(cls, **settings) -> EngineConfig:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.runner import ModelRunner, StepFuture
 from flashpage.engine.scheduler import Scheduler
+from flashpage.engine.sparse import SparseStats
 from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec import SpecStats, make_proposer
 from flashpage.engine.spec.draft import draft_bytes_per_block, load_draft
@@ -80,6 +81,8 @@ class LLMEngine:
         self._token_texts: dict[int, str] = {}  # log-probs' decoded tokens
         self.proposer = make_proposer(self.spec, cfg, self.runner, draft) if self.spec else None
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
+        sparse = cfg.sparse
+        self.sparse_stats = SparseStats(sparse, self.runner.config.head_dim) if sparse else None
         self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
         # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
         # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
@@ -222,6 +225,9 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         launched = None
         self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
+        if self.sparse_stats:  # the queries sparse attention serves: decode steps' (and with `prompt`, all)
+            self.sparse_stats.record([p + 1 for s in plan.seqs for p in s.positions
+                                      if self.sparse_stats.config.prompt or len(s.token_ids) == 1])
         self._early_outputs = None
         if plan.seqs:
             # Penalties and bad words need every earlier token on the host before the next step samples; so do
@@ -378,6 +384,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             **(self.spec_stats.as_dict() if self.spec else {}),
+            **(self.sparse_stats.as_dict() if self.sparse_stats else {}),
         }
 
 

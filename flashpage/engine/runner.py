@@ -133,6 +133,12 @@ class ModelRunner:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = cfg.block_size
+        self.sparse = cfg.sparse
+        if self.sparse is not None:
+            self.sparse.check_serves(head_dim=self.config.head_dim, kernels=kernels, kv_cache_dtype=cfg.kv_cache_dtype,
+                                     speculative=cfg.speculative is not None,
+                                     sliding_window=self.config.sliding_window)
+            self.model.set_sparse_attention(self.sparse)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_dtype = KV_CACHE_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
         if cfg.kv_cache_dtype == "fp8":
@@ -142,7 +148,8 @@ class ModelRunner:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
-                                            self.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
+                                            self.num_kv_heads, c.head_dim, self.kv_dtype, self.device,
+                                            sparq=self.sparse is not None)
         if self.kv_dtype == torch.float8_e4m3fn:  # the checkpoint's per-head scales, where it has them
             for cache, layer in zip(self.kv_caches, self.model.layers):
                 for kind, scale in layer.self_attn.kv_cache_scales.items():
@@ -163,7 +170,7 @@ class ModelRunner:
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                                           c.head_dim, self.kv_dtype)
+                                                           c.head_dim, self.kv_dtype, self.sparse is not None)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - cfg.gpu_memory_utilization) * total

@@ -27,7 +27,7 @@ from flashpage.kernels.tree import check_query_mask
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
+def tile_dot(a, b, UPCAST: tl.constexpr):
     # Triton 3.6's CPU interpreter multiplies bf16 operands wrongly; it gets them in fp32 (GPU code never does).
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
@@ -75,7 +75,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
         if not TMA:
             k = _exactly(tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
                                  mask=k_ok[None, :] & d_ok[:, None], other=0.0), q.dtype)
-        s = _dot(q, k, UPCAST) * sm_scale_log2
+        s = tile_dot(q, k, UPCAST) * sm_scale_log2
         if TOKEN_SCALES:  # scales [blocks, Hkv, PAGE_SIZE]; 0 past the end: its scores are masked, 0 * NaN is not
             scale_at = (block.to(tl.int64) * num_kv_heads + kv_head) * PAGE_SIZE + kpos % PAGE_SIZE
             s = s * tl.load(KScale + scale_at, mask=k_ok, other=0.0)[None, :]
@@ -110,7 +110,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
                                  mask=k_ok[:, None] & d_ok[None, :], other=0.0), q.dtype)
         if TOKEN_SCALES:
             p = p * tl.load(VScale + scale_at, mask=k_ok, other=0.0)[None, :]
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -9,10 +9,12 @@ import torch.nn.functional as F
 
 from flashpage.kernels import reference
 from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, composed_linear, flash_attn_varlen,
-                                         greedy, reshape_and_cache, rope_and_cache, sample, silu_and_mul)
+                                         greedy, reshape_and_cache, rope_and_cache, sample, silu_and_mul,
+                                         sparq_attention, write_sparq_copies)
 
 __all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
-           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul"]
+           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul", "sparq_attention",
+           "write_sparq_copies"]
 
 
 def rms_norm(x, weight, eps):

@@ -205,3 +205,79 @@ def apply_token_bitmask(logits, bitmask):
     t = torch.arange(vocab, device=logits.device)
     allowed = (bitmask[:, t // 32] >> (t % 32).to(torch.int32)) & 1
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
+                    out=None, rows_per_chunk=64):
+    """SparQ attention (Ribar et al., 2024), each query row over its sequence's keys up to its own position (as if
+    every row were decoded in turn). Per row and KV head:
+    1. the r components where the group's queries are largest in magnitude (|q| summed over the group's heads);
+    2. approximate scores from those components of every key, each head's softmax temperature scaled by
+       sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
+    3. the k keys with the largest approximate probability summed over the group's heads;
+    4. exact attention over those k keys, weighted by alpha, the approximate probability they hold, plus
+       (1 - alpha) times the mean of all the row's values.
+    A row that sees k keys or fewer attends to all of them exactly. The Triton kernels (`flashpage.kernels.sparq`)
+    read a second, component-major copy of the keys and running value sums that `write_sparq_copies` keeps."""
+    out = torch.empty_like(q) if out is None else out
+    cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    page = kv_cache.block_size
+    for i, len_k in enumerate(lens_k):
+        keys, values = (x.flatten(0, 1)[:len_k] for x in read_pages(kv_cache, block_table[i, : -(-len_k // page)],
+                                                                       q.dtype))
+        for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
+            end = min(start + rows_per_chunk, cu_q[i + 1])
+            pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
+            out[start:end] = _sparq_rows(q[start:end], keys, values, pos, r, k, scale)
+    return out
+
+
+def _sparq_rows(q, keys, values, pos, r, k, scale):
+    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D]. Returns [n, Hq, D]."""
+    n, hq, dim = q.shape
+    length, hkv, _ = keys.shape
+    qg = q.float().view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
+    kf, vf = keys.float().transpose(0, 1), values.float().transpose(0, 1)  # [Hkv, L, D]
+    comp = qg.abs().sum(2).topk(min(r, dim), dim=-1).indices  # [n, Hkv, r]
+    q_hat = qg.gather(-1, comp[:, :, None, :].expand(-1, -1, qg.shape[2], -1))  # [n, Hkv, G, r]
+    k_hat = kf[None].expand(n, -1, -1, -1).gather(-1, comp[:, :, None, :].expand(-1, -1, length, -1))  # [n,Hkv,L,r]
+    frac = q_hat.abs().sum(-1) / qg.abs().sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    temp = scale / frac.clamp_min(torch.finfo(torch.float32).tiny).sqrt()
+    seen = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [n, L]
+    s_hat = (q_hat @ k_hat.transpose(-1, -2)) * temp[..., None]  # [n, Hkv, G, L]
+    p_hat = torch.softmax(s_hat.masked_fill(~seen[:, None, None, :], float("-inf")), dim=-1)
+    agg = p_hat.sum(2).masked_fill(~seen[:, None, :], -1.0)  # [n, Hkv, L]
+    chosen = agg.topk(min(k, length), dim=-1).indices  # [n, Hkv, k]
+    chosen_ok = chosen <= pos[:, None, None]
+    alpha = (p_hat.gather(-1, chosen[:, :, None, :].expand_as(p_hat[..., :chosen.shape[-1]]))
+             * chosen_ok[:, :, None, :]).sum(-1)  # [n, Hkv, G]
+    alpha = torch.where((pos < k)[:, None, None], 1.0, alpha)  # every key seen: exact attention
+    k_sel = kf[torch.arange(hkv, device=q.device)[None, :, None], chosen]  # [n, Hkv, k, D]
+    v_sel = vf[torch.arange(hkv, device=q.device)[None, :, None], chosen]
+    s = (qg @ k_sel.transpose(-1, -2)) * scale  # [n, Hkv, G, k]
+    p = torch.softmax(s.masked_fill(~chosen_ok[:, :, None, :], float("-inf")), dim=-1)
+    v_mean = vf.cumsum(1)[:, pos].transpose(0, 1) / (pos + 1)[:, None, None].float()  # [n, Hkv, D]
+    o = alpha[..., None] * (p @ v_sel) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
+    return o.reshape(n, hq, dim).to(q.dtype)
+
+
+def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
+    """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key into the
+    component-major copy `k_t` [blocks, Hkv, D, block_size], and for each block written to, `v_cumsum`
+    [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot to the block's last written
+    one. (Blocks shared by prefix caching hold the same prefix in every sequence, so their sums hold for all.)"""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    page = kv_cache.block_size
+    kv_cache.k_t[slots // page, :, :, slots % page] = k[keep].to(kv_cache.k_t.dtype)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    for i, length in enumerate(lens):
+        if length == 0 or cu[i + 1] == cu[i]:  # (a CUDA graph's padding sequence)
+            continue
+        first, last = (length - (cu[i + 1] - cu[i])) // page, (length - 1) // page
+        blocks = block_table[i, :last + 1].long()
+        total = kv_cache.v_cumsum[blocks[first - 1]].clone() if first else 0
+        for j in range(first, last + 1):
+            total = total + kv_cache.v[blocks[j], :min(page, length - j * page)].float().sum(0)
+            kv_cache.v_cumsum[blocks[j]] = total

@@ -13,9 +13,11 @@ from flashpage.kernels.quantize import quantize_rows
 from flashpage.kernels.reference import composed_linear, greedy
 from flashpage.kernels.rotary import rope_and_cache
 from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, sample
+from flashpage.kernels.sparq import sparq_attention, write_sparq_copies
 
 __all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
-           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul"]
+           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul", "sparq_attention",
+           "write_sparq_copies"]
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,

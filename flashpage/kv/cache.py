@@ -8,6 +8,13 @@ in the layout the kernels read (NHD within a block). Its storage dtype and scale
 - INT8: one float32 scale per token and KV head, `k_scale`/`v_scale` [num_blocks, num_kv_heads, block_size] (a
   page's scales of one head side by side, as the decode reads them), chosen as each token is written: its largest
   magnitude over the head / 127 (symmetric, round to nearest).
+
+A cache for SparQ attention (`sparse_attention={"method": "sparq", ...}`) keeps two more things per block:
+`k_t` [num_blocks, num_kv_heads, head_dim, block_size], the keys again, component-major, so that reading r
+components of every key reads r runs of block_size contiguous values instead of r scattered 2-byte pieces of
+every key's row (which costs as much as reading the whole row: the GPU reads memory in 32-byte sectors); and
+`v_cumsum` [num_blocks, num_kv_heads, head_dim] float32, the sum of the sequence's values up to the block's last
+written slot, so that SparQ's mean value is one read per sequence. Both are written with the keys (`write_sparq_copies`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ class KVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None  # dequantisation scales of a quantized cache (above); None in the model's dtype
     v_scale: torch.Tensor | None = None
+    k_t: torch.Tensor | None = None  # SparQ: the keys, component-major [num_blocks, num_kv_heads, head_dim, block_size]
+    v_cumsum: torch.Tensor | None = None  # SparQ: running value sums [num_blocks, num_kv_heads, head_dim]
 
     def __post_init__(self):
         if self.k.dtype in KV_CACHE_DTYPES.values():
@@ -33,6 +42,14 @@ class KVCache:
             for scale in (self.k_scale, self.v_scale):
                 if scale is None or scale.shape != want or scale.dtype != torch.float32 or not scale.is_contiguous():
                     raise ValueError(f"a {self.k.dtype} cache needs contiguous float32 scales of shape {tuple(want)}")
+        if (self.k_t is None) != (self.v_cumsum is None):
+            raise ValueError("a SparQ cache needs both k_t and v_cumsum")
+        if self.k_t is not None:
+            blocks, page, heads, dim = self.k.shape
+            if self.k_t.shape != (blocks, heads, dim, page) or self.k_t.dtype != self.k.dtype or \
+                    self.v_cumsum.shape != (blocks, heads, dim) or self.v_cumsum.dtype != torch.float32:
+                raise ValueError(f"a SparQ cache needs k_t {(blocks, heads, dim, page)} of the cache's dtype and "
+                                 f"v_cumsum {(blocks, heads, dim)} float32")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -50,7 +67,8 @@ class KVCache:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Blocks src -> dst (copy-on-write), an INT8 cache's scales along; as bytes (CUDA indexes no FP8 tensor)."""
         per_slot = (self.k_scale, self.v_scale) if self.scaled_per_token else ()
-        for c in (self.k.view(torch.uint8), self.v.view(torch.uint8), *per_slot):
+        sparq = (self.k_t, self.v_cumsum) if self.k_t is not None else ()
+        for c in (self.k.view(torch.uint8), self.v.view(torch.uint8), *per_slot, *sparq):
             c[dst] = c[src]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -64,14 +82,19 @@ class KVCache:
                 s[dst // page, :, dst % page] = s[src // page, :, src % page]
 
 
-def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V (with an INT8 cache's per-token scales)."""
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       sparq: bool = False) -> int:
+    """Bytes one block takes over all layers, K and V (with an INT8 cache's per-token scales, a SparQ cache's
+    second copy of K and value sums)."""
     scales = 4 if dtype == torch.int8 else 0
-    return 2 * num_layers * block_size * num_kv_heads * (head_dim * dtype.itemsize + scales)
+    per_layer = 2 * block_size * num_kv_heads * (head_dim * dtype.itemsize + scales)
+    if sparq:
+        per_layer += num_kv_heads * head_dim * (block_size * dtype.itemsize + 4)
+    return num_layers * per_layer
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[KVCache]:
+                       dtype: torch.dtype, device: torch.device, sparq: bool = False) -> list[KVCache]:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
     def scales():
@@ -81,5 +104,11 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
             return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
         return None
 
+    def sparq_copies():
+        if not sparq:
+            return None, None
+        return (torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device),
+                torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device))
+
     return [KVCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
-                    scales(), scales()) for _ in range(num_layers)]
+                    scales(), scales(), *sparq_copies()) for _ in range(num_layers)]

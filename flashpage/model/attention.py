@@ -40,8 +40,10 @@ class AttentionMetadata:
 
 
 def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionMetadata, scale: float,
-              sliding_window: int | None):
-    """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]."""
+              sliding_window: int | None, sparse=None):
+    """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]. `sparse`: a
+    SparseAttentionConfig (`flashpage.engine.sparse`), SparQ for the sequences that decode one token (and the
+    prompt's tokens with `prompt`)."""
     # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     if kv_cache is None:
@@ -51,6 +53,21 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
         return ops.flash_attn_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q,
                                      meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window)
     q, k = ops.rope_and_cache(q, k, cos, sin, v, kv_cache, meta.slot_mapping)
-    return ops.paged_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
-                               meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window,
-                               query_mask=meta.query_mask)
+    if kv_cache.k_t is not None:
+        ops.write_sparq_copies(k, kv_cache, meta.slot_mapping, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k)
+    if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
+        return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
+                                   meta.max_seqlen_q, r=sparse.r, k=sparse.k, softmax_scale=scale)
+    out = ops.paged_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
+                              meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window,
+                              query_mask=meta.query_mask)
+    if sparse is not None:  # a step that prefills some sequences and decodes others: SparQ for the decoding ones
+        cu = meta.cu_seqlens_q
+        decoding = ((cu[1:] - cu[:-1]) == 1).nonzero()[:, 0]
+        if decoding.numel():
+            rows = cu[decoding].long()
+            out[rows] = ops.sparq_attention(q[rows], kv_cache, meta.block_table[decoding],
+                                            torch.arange(decoding.numel() + 1, dtype=cu.dtype, device=cu.device),
+                                            meta.seq_lens_k[decoding], 1, r=sparse.r, k=sparse.k,
+                                            softmax_scale=scale)
+    return out

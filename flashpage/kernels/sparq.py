@@ -1,0 +1,320 @@
+"""SparQ attention for decode (Ribar et al., 2024) in Triton, and the cache extras it reads.
+
+The algorithm and its PyTorch reference are `reference.sparq_attention`; here it runs as five steps, each a plain
+pass over memory, so that a step reads r / head_dim of the keys, k whole keys and values, and one running value
+sum, instead of every key and value:
+1. the r components of each (sequence, KV head): torch's topk over |q| summed over the group (tiny);
+2. `_approximate_scores`: those components of every key, from the component-major copy `k_t` (one 32-byte run per
+   component and page of 16), give each head's approximate scores (kept, float32) and, per split of the keys,
+   their running max and sum;
+3. `_aggregate`: each key's approximate probability summed over the group's heads; torch's topk picks k keys;
+4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
+   Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
+5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
+   head.
+Decode only: one query per sequence.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashpage.kernels.attention import tile_dot, sm_count
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2,
+                        num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh,
+                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    n_keys = tl.load(SeqLens + b)
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    heads = h * GROUP + g
+    j = tl.arange(0, BLOCK_R)
+    j_ok = j < R
+    comp = tl.load(Comp + (b * num_kv_heads + h) * R + j, mask=j_ok, other=0)
+    d = tl.arange(0, BLOCK_D)
+    q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=g_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    q_hat = tl.load(q_rows + comp[None, :], mask=g_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+    # each head's temperature: the share of its |q| that the chosen components carry
+    frac = tl.sum(tl.abs(q_hat), 1) / tl.maximum(tl.sum(tl.abs(q), 1), 1e-30)
+    scale = sm_scale_log2 / tl.sqrt(tl.maximum(frac, 1e-30))
+
+    tiles = tl.cdiv(n_keys, BLOCK_N)
+    lo = (split * tiles // NUM_SPLITS) * BLOCK_N
+    hi = tl.minimum(n_keys, ((split + 1) * tiles // NUM_SPLITS) * BLOCK_N)
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    kt_rows = (h * HEAD_DIM + comp.to(tl.int64)) * PAGE_SIZE  # within a block of k_t
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        ok = n < hi
+        block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        kt = tl.load(KT + block[None, :] * (num_kv_heads * HEAD_DIM * PAGE_SIZE) + kt_rows[:, None]
+                     + (n % PAGE_SIZE)[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        s = tl.sum(q_hat[:, :, None] * kt[None, :, :], 1) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
+        s = tl.where(ok[None, :], s, float("-inf"))
+        tl.store(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], s, mask=g_ok[:, None] & ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
+    tl.store(PartM + part, m_i, mask=g_ok)
+    tl.store(PartL + part, l_i, mask=g_ok)
+
+
+@triton.jit
+def _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """Each head's log2-sum-exp2 of its approximate scores, from the splits' running max and sum."""
+    s = tl.arange(0, BLOCK_S)
+    at = ((b * num_kv_heads * GROUP + heads) * NUM_SPLITS)[:, None] + s[None, :]
+    ok = g_ok[:, None] & (s[None, :] < NUM_SPLITS)
+    m = tl.load(PartM + at, mask=ok, other=float("-inf"))
+    l_ = tl.load(PartL + at, mask=ok, other=0.0)
+    top = tl.max(m, 1)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, l_ * tl.exp2(m - top_safe[:, None])), 1)
+    return top_safe + tl.log2(tl.maximum(total, 1e-30))
+
+
+@triton.jit
+def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, stride_lb, stride_lh, stride_ab, stride_ah,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    heads = h * GROUP + g
+    lse = _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP, NUM_SPLITS, BLOCK_S)
+    if tl.program_id(2) == 0:
+        tl.store(Lse + b * num_kv_heads * GROUP + heads, lse, mask=g_ok)
+    n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < tl.load(SeqLens + b)
+    s = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], mask=g_ok[:, None] & ok[None, :],
+                other=float("-inf"))
+    agg = tl.sum(tl.exp2(s - lse[:, None]), 0)
+    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0), mask=n < max_keys)
+
+
+@triton.jit
+def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
+                   sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch, stride_cb,
+                   stride_bt, stride_lb, stride_lh, stride_xb, stride_xh,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    """Online softmax over this split's share of the chosen keys; rows are the group's heads."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    n_keys = tl.load(SeqLens + b)
+    g = tl.arange(0, BLOCK_M)
+    g_ok = g < GROUP
+    heads = h * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    lse = tl.load(Lse + b * num_kv_heads * GROUP + heads, mask=g_ok, other=0.0)
+    tiles = tl.cdiv(num_chosen, BLOCK_N)
+    lo = (split * tiles // NUM_SPLITS) * BLOCK_N
+    hi = tl.minimum(num_chosen, ((split + 1) * tiles // NUM_SPLITS) * BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        i = start + tl.arange(0, BLOCK_N)
+        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0)
+        ok = (i < hi) & (key < n_keys)  # a sequence shorter than k chose some places past its end
+        block = tl.load(BlockTable + b * stride_bt + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        row = block * stride_cb + (key % PAGE_SIZE) * stride_ct + h * stride_ch
+        k = tl.load(KCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        s = tile_dot(q, tl.trans(k), UPCAST)
+        s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))
+        s_hat = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + key[None, :],
+                        mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
+        alpha += tl.sum(tl.exp2(s_hat - lse[:, None]), 1)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        rescale = tl.exp2(m_i - m_safe)
+        l_i = l_i * rescale + tl.sum(p, 1)
+        v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * rescale[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
+        m_i = m_new
+    part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
+    tl.store(PartOut + part[:, None] * HEAD_DIM + d[None, :], acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None],
+             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))),
+             mask=g_ok)
+    tl.store(PartAlpha + part, alpha, mask=g_ok)
+
+
+@triton.jit
+def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num_kv_heads, k, stride_bt,
+             stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             PAGE_SIZE: tl.constexpr, ATTEND_SPLITS: tl.constexpr, BLOCK_AS: tl.constexpr):
+    """out = alpha * (the splits' attention, merged) + (1 - alpha) * mean value; alpha = 1 where every key was
+    chosen. A sequence with no keys (a CUDA graph's padding) gets zeros."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    h = head // GROUP
+    n_keys = tl.load(SeqLens + b)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    s = tl.arange(0, BLOCK_AS)
+    s_ok = s < ATTEND_SPLITS
+    part = (b * num_kv_heads * GROUP + head) * ATTEND_SPLITS + s
+    lse = tl.load(PartLse + part, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))
+    o = tl.load(PartOut + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    attn = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    alpha = tl.sum(tl.load(PartAlpha + part, mask=s_ok, other=0.0), 0)
+    alpha = tl.where(n_keys <= k, 1.0, tl.minimum(alpha, 1.0))
+    last = tl.load(BlockTable + b * stride_bt + tl.maximum(n_keys - 1, 0) // PAGE_SIZE).to(tl.int64)
+    v_mean = tl.load(VCumsum + (last * num_kv_heads + h) * HEAD_DIM + d, mask=d_ok & (n_keys > 0), other=0.0)
+    v_mean = v_mean / tl.maximum(n_keys, 1).to(tl.float32)
+    out = alpha * attn + (1.0 - alpha) * v_mean
+    tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def _splits(batch: int, kv_heads: int, work: int, device: torch.device) -> int:
+    """Programs per (sequence, KV head): about four per SM over the grid, each with `work` tiles at least one."""
+    if device.type != "cuda":
+        return 1
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(round(4 * sms / max(batch * kv_heads, 1)), work, 128))
+
+
+def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
+                    out=None, num_splits=None):
+    """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
+    attend splits) overrides the choice of programs per (sequence, KV head) (tests, benchmark sweeps)."""
+    if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
+        raise ValueError("SparQ's Triton kernels decode: one query per sequence")
+    if kv_cache.k_t is None:
+        raise ValueError("SparQ needs a cache with its component-major key copy (allocate_kv_caches(sparq=True))")
+    batch, hq, dim = q.shape
+    _, page, hkv, _ = kv_cache.k.shape
+    group = hq // hkv
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
+    max_keys = block_table.shape[1] * page
+    num_chosen = min(k, max_keys)
+    block_n = max(64, page)
+    score_splits, attend_splits = num_splits or (
+        _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device),
+        _splits(batch, hkv, triton.cdiv(num_chosen, 32), q.device))
+    dev, f32 = q.device, torch.float32
+    # 1. the components: |q| summed over each group
+    comp = q.view(batch, hkv, group, dim).float().abs().sum(2).topk(min(r, dim), dim=-1).indices.to(torch.int32).contiguous()
+    r = comp.shape[-1]
+    # 2. approximate scores
+    logits = torch.empty(batch, hq, max_keys, dtype=f32, device=dev)
+    part_m = torch.empty(batch, hq, score_splits, dtype=f32, device=dev)
+    part_l = torch.empty_like(part_m)
+    group_pad = triton.next_power_of_2(group)
+    block_d = triton.next_power_of_2(dim)
+    _approximate_scores[(batch, hkv, score_splits)](
+        q, comp, kv_cache.k_t, block_table, seq_lens_k, logits, part_m, part_l, scale,
+        hkv, q.stride(0), q.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 2), HEAD_DIM=dim,
+        BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, num_warps=4)
+    # 3. each key's summed probability; the k most likely keys
+    agg = torch.empty(batch, hkv, max_keys, dtype=f32, device=dev)
+    lse = torch.empty(batch, hq, dtype=f32, device=dev)
+    agg_block = 1024
+    _aggregate[(batch, hkv, triton.cdiv(max_keys, agg_block))](
+        logits, part_m, part_l, seq_lens_k, agg, lse, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
+        agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
+        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, num_warps=4)
+    chosen = agg.topk(num_chosen, dim=-1, sorted=False).indices.to(torch.int32)
+    # 4. exact attention over them
+    part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
+    part_lse = torch.empty(batch, hq, attend_splits, dtype=f32, device=dev)
+    part_alpha = torch.empty_like(part_lse)
+    kc, vc = kv_cache.k, kv_cache.v
+    _attend_chosen[(batch, hkv, attend_splits)](
+        q, kc, vc, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, scale, hkv,
+        num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0), block_table.stride(0),
+        logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1),
+        GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=32,
+        NUM_SPLITS=attend_splits, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=4)
+    # 5. combine with the mean value
+    _combine[(batch, hq)](
+        part_out, part_lse, part_alpha, kv_cache.v_cumsum, block_table, seq_lens_k, out, hkv, k,
+        block_table.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d,
+        PAGE_SIZE=page, ATTEND_SPLITS=attend_splits,
+        BLOCK_AS=triton.next_power_of_2(attend_splits), num_warps=1)
+    return out
+
+
+@triton.jit
+def _write_sparq_copies(K, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK, num_kv_heads, stride_kt,
+                        stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """One program per (sequence, KV head): its new keys into k_t, then the running value sums of the blocks it
+    wrote to, in order (each block's from the one before: no other program could supply them in time)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(CuSeqlensQ + b)
+    q_len = tl.load(CuSeqlensQ + b + 1) - q_start
+    length = tl.load(SeqLensK + b)
+    if length == 0 or q_len == 0:  # a CUDA graph's padding sequence
+        return
+    t = tl.arange(0, PAGE_SIZE)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    first_new = length - q_len
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if first_new >= PAGE_SIZE:
+        before = tl.load(BlockTable + b * stride_bt + first_new // PAGE_SIZE - 1).to(tl.int64)
+        total = tl.load(VCumsum + (before * num_kv_heads + h) * HEAD_DIM + d, mask=d_ok, other=0.0)
+    for j in range(first_new // PAGE_SIZE, (length - 1) // PAGE_SIZE + 1):
+        block = tl.load(BlockTable + b * stride_bt + j).to(tl.int64)
+        pos = j * PAGE_SIZE + t
+        new = (pos >= first_new) & (pos < length)
+        slot = tl.load(SlotMapping + q_start + pos - first_new, mask=new, other=-1)
+        new = new & (slot >= 0)
+        k = tl.load(K + (q_start + pos - first_new)[:, None] * stride_kt + h * stride_kh + d[None, :],
+                    mask=new[:, None] & d_ok[None, :], other=0.0)
+        tl.store(KT + ((block * num_kv_heads + h) * HEAD_DIM + d[None, :]) * PAGE_SIZE + t[:, None],
+                 k.to(KT.dtype.element_ty), mask=new[:, None] & d_ok[None, :])
+        v = tl.load(V + block * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :],
+                    mask=(pos < length)[:, None] & d_ok[None, :], other=0.0)
+        total += tl.sum(v.to(tl.float32), 0)
+        tl.store(VCumsum + (block * num_kv_heads + h) * HEAD_DIM + d, total, mask=d_ok)
+
+
+def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
+    """As `reference.write_sparq_copies`: after the new tokens' K/V are in the cache, their keys into `k_t` and the
+    running value sums of the blocks they went to."""
+    batch = seq_lens_k.shape[0]
+    if k.shape[0] == 0 or batch == 0:
+        return
+    _, page, heads, dim = kv_cache.v.shape
+    v = kv_cache.v
+    _write_sparq_copies[(batch, heads)](
+        k, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page)
