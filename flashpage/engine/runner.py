@@ -138,7 +138,6 @@ class ModelRunner:
             self.sparse.check_serves(head_dim=self.config.head_dim, kernels=kernels, kv_cache_dtype=cfg.kv_cache_dtype,
                                      speculative=cfg.speculative is not None,
                                      sliding_window=self.config.sliding_window)
-            self.model.set_sparse_attention(self.sparse)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_dtype = KV_CACHE_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
         if cfg.kv_cache_dtype == "fp8":
@@ -230,6 +229,7 @@ class ModelRunner:
         inputs = prepare_inputs(plan, self.block_size, dev, *graph_key) if graph_key else \
             prepare_inputs(plan, self.block_size, dev)
         ids, meta = inputs.ids, inputs.meta
+        meta.sparse = self.sparse
         if inputs.from_last_step.numel():
             rows = inputs.from_last_step[1::2]  # (only the driver has sampled them)
             tokens = self.last_sampled[rows].to(ids.dtype) if self.tp.rank == 0 else \
@@ -305,7 +305,7 @@ class ModelRunner:
             for size, q_ in tqdm(sorted(keys, key=lambda k: -k[0] * k[1]), desc="Capturing CUDA graphs", leave=False):
                 n = size * q_
                 meta = AttentionMetadata(st[f"cu{q_}"][:size + 1], st["seq_lens"][:size], q_, st["positions"][:n],
-                                         st["slots"][:n], st["block_table"][:size])
+                                         st["slots"][:n], st["block_table"][:size], sparse=self.sparse)
                 run = lambda: self.model.compute_logits(self.model(st["ids"][:n], meta, self.kv_caches))  # noqa: E731
                 run()  # compiles the Triton kernels for this shape outside the capture
                 torch.cuda.synchronize(dev)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.attention import _dot
+from flashpage.kernels.attention import tile_dot
 
 MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
@@ -57,10 +57,10 @@ def _linear_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = col_ok[:, None] & k_ok[None, :]
-        acc += _dot(x, tl.trans(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(x.dtype)), UPCAST)
+        acc += tile_dot(x, tl.trans(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(x.dtype)), UPCAST)
         if SILU_MUL:
             up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0).to(x.dtype)
-            acc_up += _dot(x, tl.trans(up), UPCAST)
+            acc_up += tile_dot(x, tl.trans(up), UPCAST)
     if FP8_WEIGHT:
         acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
         if SILU_MUL:

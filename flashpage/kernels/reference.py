@@ -237,8 +237,9 @@ def _sparq_rows(q, keys, values, pos, r, k, scale):
     """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D]. Returns [n, Hq, D]."""
     n, hq, dim = q.shape
     length, hkv, _ = keys.shape
-    qg = q.float().view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
-    kf, vf = keys.float().transpose(0, 1), values.float().transpose(0, 1)  # [Hkv, L, D]
+    dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
+    qg = q.to(dt).view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
+    kf, vf = keys.to(dt).transpose(0, 1), values.to(dt).transpose(0, 1)  # [Hkv, L, D]
     comp = qg.abs().sum(2).topk(min(r, dim), dim=-1).indices  # [n, Hkv, r]
     q_hat = qg.gather(-1, comp[:, :, None, :].expand(-1, -1, qg.shape[2], -1))  # [n, Hkv, G, r]
     k_hat = kf[None].expand(n, -1, -1, -1).gather(-1, comp[:, :, None, :].expand(-1, -1, length, -1))  # [n,Hkv,L,r]
@@ -257,7 +258,7 @@ def _sparq_rows(q, keys, values, pos, r, k, scale):
     v_sel = vf[torch.arange(hkv, device=q.device)[None, :, None], chosen]
     s = (qg @ k_sel.transpose(-1, -2)) * scale  # [n, Hkv, G, k]
     p = torch.softmax(s.masked_fill(~chosen_ok[:, :, None, :], float("-inf")), dim=-1)
-    v_mean = vf.cumsum(1)[:, pos].transpose(0, 1) / (pos + 1)[:, None, None].float()  # [n, Hkv, D]
+    v_mean = vf.cumsum(1)[:, pos].transpose(0, 1) / (pos + 1)[:, None, None].to(dt)  # [n, Hkv, D]
     o = alpha[..., None] * (p @ v_sel) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
     return o.reshape(n, hq, dim).to(q.dtype)
 

@@ -26,6 +26,9 @@ class AttentionMetadata:
     # [T] int64: per query, the bits of its sequence's queries it sees, when they form a token tree
     # (`flashpage.kernels.tree`; positions then give each node's depth); None: causal.
     query_mask: torch.Tensor | None = None
+    # Sparse attention (a `flashpage.engine.sparse.SparseAttentionConfig`): SparQ for the sequences that decode one
+    # token (and the prompt's tokens with `prompt`), over a cache allocated with its extras (sparq=True).
+    sparse: object | None = None
 
     @classmethod
     def prefill(cls, seq_lens: list[int], device: torch.device | str = "cpu",
@@ -40,10 +43,8 @@ class AttentionMetadata:
 
 
 def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionMetadata, scale: float,
-              sliding_window: int | None, sparse=None):
-    """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]. `sparse`: a
-    SparseAttentionConfig (`flashpage.engine.sparse`), SparQ for the sequences that decode one token (and the
-    prompt's tokens with `prompt`)."""
+              sliding_window: int | None):
+    """q [T, Hq, D], k/v [T, Hkv, D] (new tokens, before rotary embedding); returns [T, Hq, D]."""
     # transformers' sliding window of W keys counts the query itself: W - 1 to the left.
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     if kv_cache is None:
@@ -55,6 +56,7 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
     q, k = ops.rope_and_cache(q, k, cos, sin, v, kv_cache, meta.slot_mapping)
     if kv_cache.k_t is not None:
         ops.write_sparq_copies(k, kv_cache, meta.slot_mapping, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k)
+    sparse = meta.sparse
     if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                    meta.max_seqlen_q, r=sparse.r, k=sparse.k, softmax_scale=scale)

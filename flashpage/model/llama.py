@@ -132,7 +132,6 @@ class Attention(nn.Module):
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q, kv, kv], bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_bias, heads.q_start * d, full_q, tp)
         self.scale = self.head_dim**-0.5
-        self.sparse = None  # a SparseAttentionConfig (LlamaForCausalLM.set_sparse_attention)
         self.sliding_window = cfg.sliding_window
         self.kv_start, self.total_kv_heads = heads.kv_start, cfg.num_key_value_heads
         # An FP8 KV cache's scales as the checkpoint gives them (`self_attn.k_scale` / `v_scale`, vLLM's names),
@@ -157,7 +156,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = attention(ops, q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window, self.sparse)
+        o = attention(ops, q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj.residual_add(ops, o.flatten(1), residual=h)
 
 
@@ -215,12 +214,6 @@ class LlamaForCausalLM(nn.Module):
     def set_kernels(self, name: str) -> None:
         """'torch' (PyTorch references) or 'triton'."""
         self.ops = kernel_set(name)
-
-    def set_sparse_attention(self, sparse) -> None:
-        """Every layer's attention through the cache follows `sparse` (a SparseAttentionConfig, or None: dense);
-        its caches must be allocated with sparq=True."""
-        for layer in self.layers:
-            layer.self_attn.sparse = sparse
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache] | None = None) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""Sparse attention (`sparse_attention`, opt-in and lossy): SparQ's reference against the paper's algorithm written
+plainly, its Triton kernels and cache extras against the reference, and the engine over it (settings, errors,
+prefix caching, copy-on-write, preemption, stats)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE, engine_from, rel_err
+from flashpage import SamplingParams
+from flashpage.errors import ParameterError
+from flashpage.kernels import reference as ref
+from flashpage.kernels import sparq
+from flashpage.kv import KVCache, allocate_kv_caches
+from test_engine import run
+from test_kernels import paged_case
+
+
+def sparq_by_the_paper(q, keys, values, r, k, scale):
+    """One query [Hq, D] over keys/values [L, Hkv, D], float64, head by head as Algorithm 1 of the paper reads,
+    the group sharing components (|q| summed) and keys (approximate probabilities summed)."""
+    hq, hkv = q.shape[0], keys.shape[1]
+    group, length = hq // hkv, keys.shape[0]
+    out = torch.empty_like(q)
+    for h in range(hkv):
+        qs = q[h * group:(h + 1) * group]
+        comp = qs.abs().sum(0).topk(r).indices
+        probs = []
+        for qh in qs:
+            temp = scale / (qh[comp].abs().sum() / qh.abs().sum()).sqrt()
+            probs.append(torch.softmax(keys[:, h, comp] @ qh[comp] * temp, 0))
+        chosen = torch.stack(probs).sum(0).topk(min(k, length)).indices
+        for g, qh in enumerate(qs):
+            alpha = probs[g][chosen].sum() if length > k else 1.0
+            exact = torch.softmax(keys[chosen, h] @ qh * scale, 0) @ values[chosen, h]
+            out[h * group + g] = alpha * exact + (1 - alpha) * values[:, h].mean(0)
+    return out
+
+
+def sparq_cache(lens_k, page, hkv, dim, dtype, writer):
+    """A shuffled paged cache with its SparQ extras poisoned, then written by `writer` (the reference's or the
+    Triton kernel's) as a prefill of each sequence's first third and decode steps of the rest, one token each."""
+    k, v, table, seq_lens, _ = paged_case(lens_k, [1] * len(lens_k), page, hkv, dim, dtype)
+    cache = allocate_kv_caches(1, k.shape[0], page, hkv, dim, dtype, torch.device(DEVICE), sparq=True)[0]
+    cache.k.copy_(k)
+    cache.v.copy_(v)
+    cache.k_t.fill_(float("nan"))
+    cache.v_cumsum.fill_(float("nan"))
+    prefilled = [max(1, n // 3) for n in lens_k]
+    steps = [[range(0, d) for d in prefilled]]
+    steps += [[range(d + t, d + t + 1) if d + t < n else range(0) for d, n in zip(prefilled, lens_k)]
+              for t in range(max(lens_k) - min(prefilled))]
+    for step in steps:  # (a sequence with nothing new in a step has no tokens and no keys in it)
+        slots = torch.tensor([int(table[i, p // page]) * page + p % page for i, r in enumerate(step) for p in r],
+                             dtype=torch.int64, device=DEVICE)
+        cu = torch.tensor([0] + [len(r) for r in step], device=DEVICE).cumsum(0).int()
+        lens = torch.tensor([r.stop if len(r) else 0 for r in step], dtype=torch.int32, device=DEVICE)
+        writer(cache.k.view(-1, hkv, dim)[slots], cache, slots, table, cu, lens)
+    return cache, table, seq_lens
+
+
+def check_sparq_extras(cache, table, seq_lens):
+    """k_t holds every written key, component-major; each block's v_cumsum the sum of its sequence's values up
+    to the block's last written slot."""
+    page = cache.block_size
+    for i, n in enumerate(seq_lens.tolist()):
+        blocks = table[i, :-(-n // page)].long()
+        slots = torch.arange(n, device=DEVICE)
+        assert torch.equal(cache.k_t[blocks[slots // page], :, :, slots % page], cache.k[blocks[slots // page],
+                                                                                          slots % page])
+        values = cache.v[blocks].double().flatten(0, 1)[:n].cumsum(0)
+        ends = torch.clamp((torch.arange(len(blocks), device=DEVICE) + 1) * page, max=n) - 1
+        assert rel_err(cache.v_cumsum[blocks], values[ends]) < 1e-6
+
+
+CASES = [
+    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention))
+    ([1, 300], 4, 4, 64, 16, 8, 16, None),  # a one-token sequence; MHA
+    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2)),  # short ones see every key; splits
+    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3)),  # SmolLM2's group of 3, pages of 8
+    ([150], 6, 2, 80, 16, 10, 32, (2, 2)),  # head dim 80
+    ([260, 33], 8, 1, 128, 32, 16, 64, None),  # MQA, large pages
+]
+
+
+def test_reference_is_the_papers_algorithm():
+    """The batched reference, row by row and multi-row, against the algorithm written plainly in float64."""
+    torch.manual_seed(0)
+    hq, hkv, dim, length, r, k = 6, 2, 32, 90, 8, 20
+    keys, values = torch.randn(length, hkv, dim, dtype=torch.float64), torch.randn(length, hkv, dim,
+                                                                                   dtype=torch.float64)
+    cache = KVCache(keys[None].clone(), values[None].clone())  # one block of 90 (the reference reads any page)
+    q = torch.randn(length, hq, dim, dtype=torch.float64)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    out = ref.sparq_attention(q, cache, table, torch.tensor([0, length]), torch.tensor([length]), length, r=r, k=k,
+                              rows_per_chunk=16)
+    for pos in (0, 5, k - 1, k, 47, length - 1):
+        want = sparq_by_the_paper(q[pos], keys[:pos + 1], values[:pos + 1], r, k, dim**-0.5)
+        assert rel_err(out[pos], want) < 1e-12, pos
+        one = ref.sparq_attention(q[pos:pos + 1], cache, table, torch.tensor([0, 1]), torch.tensor([pos + 1]), 1,
+                                  r=r, k=k)
+        assert rel_err(one[0], want) < 1e-12, pos
+    dense = ref.paged_attention(q[-1:], cache, table, torch.tensor([0, 1]), torch.tensor([length]), 1)
+    assert rel_err(out[-1:], dense) > 0.05  # (k < length: it is sparse)
+
+
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits", CASES)
+def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits):
+    """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
+    output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros."""
+    torch.manual_seed(sum(lens_k) + r)
+    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies))
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies)
+    check_sparq_extras(cache, table, seq_lens)
+    q = torch.randn(len(lens_k) + 1, hq, dim, device=DEVICE)
+    table = torch.cat([table, torch.zeros_like(table[:1])])
+    seq_lens = torch.cat([seq_lens, torch.zeros_like(seq_lens[:1])])
+    cu = torch.arange(len(lens_k) + 2, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
+    double = KVCache(cache.k.double(), cache.v.double())
+    expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k)
+    assert rel_err(out[:-1], expect) < 1e-5
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+    if max(lens_k) > k:
+        dense = ref.paged_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1)
+        assert rel_err(out[:-1], dense) > 1e-3
+
+
+SPARQ = {"method": "sparq", "r": 16, "k": 24}
+
+
+def real_text(llm, n, start=0):
+    """n tokens of CPython's documentation."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return llm.tokenizer.encode(text[start:start + 8 * n])[:n]
+
+
+def tokens(engine, prompts, params):
+    return [[s.token_ids for s in o.outputs] for o in run(engine, prompts, params)]
+
+
+def test_sparq_engine(smollm_llm):
+    """Decoding with SparQ: identical to dense where k covers the context, different where it does not; a request
+    decoded beside another's prefill (the step's mixed path) gets what it gets alone; stats count what it read;
+    its cache extras take less than a second copy of the cache."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = real_text(smollm_llm, 60)
+    dense = tokens(engine_from(smollm_llm), [prompt], [greedy])[0][0]
+    assert tokens(engine_from(smollm_llm, sparse_attention={**SPARQ, "k": 512}), [prompt], [greedy])[0][0] == dense
+    engine = engine_from(smollm_llm, sparse_attention=SPARQ)
+    alone = tokens(engine, [prompt], [greedy])[0][0]
+    assert alone != dense
+    stats = engine.stats()
+    contexts = range(len(prompt) + 1, len(prompt) + 24)  # (the first token comes from the prefill)
+    assert stats["sparse_attention_keys_fraction"] == pytest.approx(24 * len(contexts) / sum(contexts))
+    assert stats["sparse_attention_bytes_fraction"] == pytest.approx(16 / 128 + 24 * len(contexts) / sum(contexts))
+    engine = engine_from(smollm_llm, sparse_attention=SPARQ)
+    engine.add_request("a", prompt, greedy)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("b", real_text(smollm_llm, 100, start=5000), greedy)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["a"].outputs[0].token_ids == alone
+    plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.05).stats()["kv_blocks_total"]
+    with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, sparse_attention=SPARQ).stats()["kv_blocks_total"]
+    assert plain * 0.6 < with_extras < plain * 0.7  # (K + V + K again + a float32 sum per block and head)
+
+
+def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
+    """With `prompt` (every token through SparQ, so a preempted sequence's recomputation gives what its decode
+    gave), requests batched with prefix hits, forked samples and preemption get the tokens they get alone."""
+    cfg = {**SPARQ, "prompt": True}
+    shared = real_text(smollm_llm, 48)
+    prompts = [shared + real_text(smollm_llm, 2, start=100 * i) for i in range(3)] + [real_text(smollm_llm, 30, 9000)]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + \
+        [SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12)]
+    batched = engine_from(smollm_llm, sparse_attention=cfg, num_gpu_blocks=10, max_num_batched_tokens=32)
+    together = tokens(batched, prompts, params)
+    assert batched.stats()["num_preemptions"] > 0 and batched.stats()["prefix_cache_hits"] > 0
+    alone = [tokens(engine_from(smollm_llm, sparse_attention=cfg, enable_prefix_caching=False), [p], [sp])[0]
+             for p, sp in zip(prompts, params)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("setting,other,names", [
+    ({"method": "sparq", "r": 8}, {}, "k must be an integer"),
+    ({"method": "sparq", "r": 0, "k": 8}, {}, "r must be an integer >= 1"),
+    ({"method": "sparq", "r": 65, "k": 8}, {}, "r must be at most the head dimension (64)"),
+    ({"method": "dense", "r": 8, "k": 8}, {}, "method must be one of"),
+    ({"method": "sparq", "r": 8, "k": 8, "top_k": 3}, {}, "top_k is not a known key"),
+    ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
+    ("sparq", {}, "sparse_attention must be dict or None"),
+    (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
+    (SPARQ, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "not served with speculative"),
+    ({**SPARQ, "prompt": True}, {"kernels": "triton"}, "prompt=true runs on the CPU and PyTorch kernels only"),
+])
+def test_sparse_attention_settings_fail_clearly(smollm_llm, setting, other, names):
+    with pytest.raises(ParameterError, match=names.replace("(", r"\(").replace(")", r"\)")):
+        engine_from(smollm_llm, sparse_attention=setting, **other)
