@@ -1,6 +1,6 @@
 """Benchmark the attention kernels against torch's SDPA backends and the device's measured ceilings.
 
-    python -m flashpage.bench.kernels [--out DIR] [--sweep] [--kv-cache-dtype fp8|int8]
+    python -m flashpage.bench.kernels [--out DIR] [--sweep] [--kv-cache-dtype fp8|int8] [--sparse | --only-sparse]
 
 Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens.
 Decode: paged cache (block size 16, shuffled blocks; also timed with each sequence's blocks in order) for
@@ -8,7 +8,8 @@ B x context; SDPA reads a contiguous cache of the same size. Prints ms, TFLOP/s 
 SDPA backend and the fraction of the measured ceiling; for decode also how long merely reading the same pages
 takes (the copy engine fetching each page's tile for one KV head, as the decode does, with no attention).
 `--kv-cache-dtype` also times decode over an FP8 or INT8 cache (the engine's scales) against the bf16 one, with the
-rate counted on the bytes it reads.
+rate counted on the bytes it reads. `--sparse` also times SparQ decode against the dense decode
+(`flashpage.bench.sparse`).
 """
 
 from __future__ import annotations
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                         help="also time decode over a quantized cache, against the bf16 one (ratios)")
+    parser.add_argument("--sparse", action="store_true", help="also time SparQ decode against the dense decode "
+                        "(flashpage.bench.sparse)")
+    parser.add_argument("--only-sparse", action="store_true", help="time SparQ decode and nothing else")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flashpage bench kernels needs a CUDA GPU")
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{gpu}: copy {bw:.2f} TB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
     if args.sweep:
         sweep(args.kv_cache_dtype)
-    rows = [bench_prefill(s) for s in PREFILL_S] + [bench_decode(b, c) for b, c in DECODE]
+    rows = [] if args.only_sparse else [bench_prefill(s) for s in PREFILL_S] + [bench_decode(b, c) for b, c in DECODE]
     print(f"\n{'kernel':8s} {'shape':18s} {'ms':>8s} {'rate':>14s} {'of ceiling':>10s} {'best SDPA':>22s} {'speedup':>8s}")
     for r in rows:
         ceiling = mm if r["kind"] == "prefill" else bw
@@ -217,12 +221,17 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:10.2f}"
                   f" {r['fraction_of_ceiling']:8.0%}")
+    if args.sparse or args.only_sparse:
+        from flashpage.bench import sparse
+
+        rows += sparse.run(bw)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "host": platform.node(),
               "copy_tbs": bw, "matmul_tflops": mm, "rows": rows}
     (out / "kernels.json").write_text(json.dumps(result, indent=2))
-    plot(rows, gpu, out / "kernels.png")
+    if not args.only_sparse:
+        plot(rows, gpu, out / "kernels.png")
     print(f"\nwrote {out / 'kernels.json'} and {out / 'kernels.png'}")
     return 0
 

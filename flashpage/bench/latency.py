@@ -11,7 +11,8 @@ On random ("dummy") weights of a real shape (llama-3-8b bf16 by default), in one
    and the reference's logit margin there.
 Prints a table and writes JSON with `--out`. With `--tensor-parallel-size N` the model is split over N GPUs and
 the floor is the weights over N copy engines; the peers, which hold the whole model on one GPU, are left out. With
-`--quantization fp8` the floor counts the FP8 weights' bytes, and the peers (16-bit systems) are left out too.
+`--quantization fp8` the floor counts the FP8 weights' bytes, and the peers (16-bit systems) are left out too;
+with `--sparse-attention` (the engine setting, JSON) the peers, which attend densely, are left out.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
+    p.add_argument("--sparse-attention", type=json.loads, default=None,
+                   help='the engine setting, JSON: \'{"method": "sparq", "r": 16, "k": 8192}\'')
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -49,19 +52,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("needs a CUDA GPU")
     skip = set(filter(None, args.skip.split(",")))
     tp = args.tensor_parallel_size
-    if tp > 1 or args.quantization:
+    if tp > 1 or args.quantization or args.sparse_attention:
         skip |= {"gpt-fast", "transformers", "check"}
     from flashpage import LLM, SamplingParams
 
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
                "dtype": args.dtype, "batch_size": args.batch_size, "input_len": args.input_len,
                "output_len": args.output_len, "tensor_parallel_size": tp, "quantization": args.quantization,
-               "kv_cache_dtype": args.kv_cache_dtype}
+               "kv_cache_dtype": args.kv_cache_dtype, "sparse_attention": args.sparse_attention}
     gen = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               speculative_config=args.speculative_config, tensor_parallel_size=tp, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, sparse_attention=args.sparse_attention,
+              # (SparQ's scratch grows with batch x context: graphs for the batch sizes this run uses only)
+              **({"max_num_seqs": max(args.batch_size, 8)} if args.sparse_attention else {}))
     vocab = llm.config.vocab_size
     first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)

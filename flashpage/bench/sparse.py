@@ -1,0 +1,110 @@
+"""`flashpage bench kernels --sparse`: SparQ decode against the dense paged decode, same caches, same run.
+
+bf16, 32 query / 8 KV heads, head dim 128, block size 16, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the
+largest left out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V):
+1/8 (r = 16 components: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 32, k = context / 8). Both are
+timed as CUDA graphs (as the engine runs decode), after warm-up, median of many replays; the table gives each
+SparQ step's time, its speedup over dense, and the time of its phases (approximate scores, aggregation, top-k,
+exact attention and combine) from a second, eager run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashpage.bench.common import median_ms
+from flashpage.kernels import sparq
+from flashpage.kernels.attention import choose_num_splits
+from flashpage.kernels.triton_ops import paged_attention
+from flashpage.kv import KVCache
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
+BUDGETS = {"1/8": (16, 16), "1/4": (32, 8)}  # name: (r, context / k)
+
+
+def graph_ms(fn) -> float:
+    """Median ms of `fn` replayed as a CUDA graph (captured after a warm-up run)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay)
+
+
+def sparq_cache(batch: int, context: int) -> tuple[KVCache, torch.Tensor]:
+    """A random bf16 cache with its SparQ extras, each sequence's blocks shuffled."""
+    blocks = batch * context // BLOCK
+    k = torch.randn(blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, context // BLOCK)
+    k_t = k.permute(0, 2, 3, 1).contiguous()
+    v_cumsum = torch.empty(blocks, HKV, D, device="cuda", dtype=torch.float32)
+    for i in range(batch):  # each block: the sequence's values summed up to its end
+        rows = table[i].long()
+        v_cumsum[rows] = v[rows].float().sum(1).cumsum(0)
+    return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum), table
+
+
+def bench_sparq(batch: int, context: int) -> list[dict]:
+    cache, table = sparq_cache(batch, context)
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    splits = choose_num_splits(batch, HKV, 1, context, q.device)
+    dense_ms = graph_ms(lambda: paged_attention(q, cache, table, cu, lens, 1, num_splits=splits, out=out))
+    dense_bytes = 2 * batch * context * HKV * D * 2
+    rows = []
+    for name, (r, per_k) in BUDGETS.items():
+        k = context // per_k
+        ms = graph_ms(lambda: sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k, out=out))
+        rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "budget": name, "r": r, "k": k,
+                     "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
+                     "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
+                     "phases_ms": sparq_phases(q, cache, table, lens, r, k)})
+    del cache, table
+    torch.cuda.empty_cache()
+    return rows
+
+
+PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_attend_chosen": "attend",
+          "_combine": "combine"}
+
+
+def sparq_phases(q, cache, table, lens, r, k) -> dict[str, float]:
+    """GPU time per phase of one eager SparQ step (median of 5, by the profiler's kernel names): its own kernels,
+    and torch's (the components' top-r and the keys' top-k) as "torch"."""
+    cu = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
+    runs = []
+    for _ in range(5):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k)
+            torch.cuda.synchronize()
+        times: dict[str, float] = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            name = next((v for key, v in PHASES.items() if key in e.key), "torch")
+            times[name] = times.get(name, 0.0) + us / 1e3
+        runs.append(times)
+    return {n: sorted(t.get(n, 0.0) for t in runs)[2] for n in ["scores", "aggregate", "attend", "combine", "torch"]}
+
+
+def run(copy_tbs: float) -> list[dict]:
+    rows = []
+    free = torch.cuda.mem_get_info()[0]
+    for batch, context in SHAPES:
+        need = 3 * batch * context * HKV * D * 2 * 1.6  # K, V, K again, and room for the step's buffers
+        if need > free:
+            print(f"sparq decode {batch}x{context}: left out (needs about {need / 2**30:.0f} GiB)", flush=True)
+            continue
+        rows += bench_sparq(batch, context)
+    print(f"\n{'SparQ decode':14s} {'budget':>6s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
+          f"{'of copy':>7s} {'SparQ ms':>9s} {'speedup':>8s}  phases (ms)")
+    for r in rows:
+        phases = " ".join(f"{n} {t:.3f}" for n, t in r["phases_ms"].items())
+        print(f"{r['shape']:14s} {r['budget']:>6s} {r['r']:4d} {r['k']:6d} {r['dense_ms']:9.4f} "
+              f"{r['dense_rate_tbs']:10.2f} {r['dense_rate_tbs'] / copy_tbs:7.0%} {r['ms']:9.4f} "
+              f"{r['speedup_vs_dense']:7.2f}x  {phases}")
+    return rows
