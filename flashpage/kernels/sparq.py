@@ -33,7 +33,8 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
                         num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows are the group's heads (GROUP_PAD >= 16 of them, for the tensor cores), columns BLOCK_N keys."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -47,9 +48,9 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
     d = tl.arange(0, BLOCK_D)
     q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
-    q_hat = tl.load(q_rows + comp[None, :], mask=g_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+    q_hat = tl.load(q_rows + comp[None, :], mask=g_ok[:, None] & j_ok[None, :], other=0.0)
     # each head's temperature: the share of its |q| that the chosen components carry
-    frac = tl.sum(tl.abs(q_hat), 1) / tl.maximum(tl.sum(tl.abs(q), 1), 1e-30)
+    frac = tl.sum(tl.abs(q_hat.to(tl.float32)), 1) / tl.maximum(tl.sum(tl.abs(q), 1), 1e-30)
     scale = sm_scale_log2 / tl.sqrt(tl.maximum(frac, 1e-30))
 
     tiles = tl.cdiv(n_keys, BLOCK_N)
@@ -62,9 +63,12 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
         n = start + tl.arange(0, BLOCK_N)
         ok = n < hi
         block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        # each component's keys of one page are PAGE_SIZE contiguous values: one vector load (BLOCK_N is a multiple
+        # of PAGE_SIZE and so is every tile's start)
+        in_page = tl.max_contiguous(tl.multiple_of(n % PAGE_SIZE, PAGE_SIZE), PAGE_SIZE)
         kt = tl.load(KT + block[None, :] * (num_kv_heads * HEAD_DIM * PAGE_SIZE) + kt_rows[:, None]
-                     + (n % PAGE_SIZE)[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(q_hat[:, :, None] * kt[None, :, :], 1) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
+                     + in_page[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
+        s = tile_dot(q_hat, kt, UPCAST) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
         tl.store(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], s, mask=g_ok[:, None] & ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -196,17 +200,19 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num
 
 
 def _splits(batch: int, kv_heads: int, work: int, device: torch.device) -> int:
-    """Programs per (sequence, KV head): about four per SM over the grid, each with `work` tiles at least one."""
+    """Programs per (sequence, KV head): about sixteen per SM over the grid (measured on an H100), each with one
+    of `work` tiles at least."""
     if device.type != "cuda":
         return 1
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(round(4 * sms / max(batch * kv_heads, 1)), work, 128))
+    return max(1, min(round(16 * sms / max(batch * kv_heads, 1)), work, 128))
 
 
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
-                    out=None, num_splits=None):
+                    out=None, num_splits=None, tiles=None):
     """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
-    attend splits) overrides the choice of programs per (sequence, KV head) (tests, benchmark sweeps)."""
+    attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step and warps of
+    the scores, of the attention) their shapes (tests, benchmark sweeps)."""
     if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
         raise ValueError("SparQ's Triton kernels decode: one query per sequence")
     if kv_cache.k_t is None:
@@ -220,10 +226,11 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
     max_keys = block_table.shape[1] * page
     num_chosen = min(k, max_keys)
-    block_n = max(64, page)
+    block_n, score_warps, attend_n, attend_warps = tiles or (512, 4, 32, 4)
+    block_n = max(block_n, page)
     score_splits, attend_splits = num_splits or (
         _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device),
-        _splits(batch, hkv, triton.cdiv(num_chosen, 32), q.device))
+        _splits(batch, hkv, triton.cdiv(num_chosen, attend_n), q.device))
     dev, f32 = q.device, torch.float32
     # 1. the components: |q| summed over each group
     comp = q.view(batch, hkv, group, dim).float().abs().sum(2).topk(min(r, dim), dim=-1).indices.to(torch.int32).contiguous()
@@ -234,11 +241,13 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     part_l = torch.empty_like(part_m)
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(dim)
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     _approximate_scores[(batch, hkv, score_splits)](
         q, comp, kv_cache.k_t, block_table, seq_lens_k, logits, part_m, part_l, scale,
         hkv, q.stride(0), q.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 2), HEAD_DIM=dim,
-        BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, num_warps=4)
+        GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim,
+        BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
+        num_warps=score_warps)
     # 3. each key's summed probability; the k most likely keys
     agg = torch.empty(batch, hkv, max_keys, dtype=f32, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
@@ -257,9 +266,9 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         q, kc, vc, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, scale, hkv,
         num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0), block_table.stride(0),
         logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1),
-        GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=32,
-        NUM_SPLITS=attend_splits, UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=4)
+        GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
+        NUM_SPLITS=attend_splits, UPCAST=upcast,
+        num_warps=attend_warps)
     # 5. combine with the mean value
     _combine[(batch, hq)](
         part_out, part_lse, part_alpha, kv_cache.v_cumsum, block_table, seq_lens_k, out, hkv, k,
