@@ -122,6 +122,8 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     double = KVCache(cache.k.double(), cache.v.double())
     expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k)
     assert rel_err(out[:-1], expect) < 1e-5
+    strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, strided=True)
+    assert rel_err(strided[:-1], out[:-1]) < 1e-6  # (the components read from K itself)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     if max(lens_k) > k:
         dense = ref.paged_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1)

@@ -1,11 +1,13 @@
 """`flashpage bench kernels --sparse`: SparQ decode against the dense paged decode, same caches, same run.
 
-bf16, 32 query / 8 KV heads, head dim 128, block size 16, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the
-largest left out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V):
-1/8 (r = 16 components: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 32, k = context / 8). Both are
-timed as CUDA graphs (as the engine runs decode), after warm-up, median of many replays; the table gives each
-SparQ step's time, its speedup over dense, and the time of its phases (approximate scores, aggregation, top-k,
-exact attention and combine) from a second, eager run.
+bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
+out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
+components: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 32, k = context / 8); at block size 16
+(the default) and 64 (a component's keys of one block are then 128 contiguous bytes instead of 32), and at 1/8
+reading the components from K itself instead of the component-major copy ("strided"). Each is timed as a CUDA
+graph (as the engine runs decode), after warm-up, median of many replays, against the dense decode over the same
+cache; the table also gives the time of SparQ's phases (approximate scores, aggregation, torch's top-k, exact
+attention, combine) from eager runs under the profiler.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from flashpage.kernels.attention import choose_num_splits
 from flashpage.kernels.triton_ops import paged_attention
 from flashpage.kv import KVCache
 
-HQ, HKV, D, BLOCK = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
 BUDGETS = {"1/8": (16, 16), "1/4": (32, 8)}  # name: (r, context / k)
 
@@ -33,12 +35,12 @@ def graph_ms(fn) -> float:
     return median_ms(graph.replay)
 
 
-def sparq_cache(batch: int, context: int) -> tuple[KVCache, torch.Tensor]:
+def sparq_cache(batch: int, context: int, block: int = 16) -> tuple[KVCache, torch.Tensor]:
     """A random bf16 cache with its SparQ extras, each sequence's blocks shuffled."""
-    blocks = batch * context // BLOCK
-    k = torch.randn(blocks, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    blocks = batch * context // block
+    k = torch.randn(blocks, block, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, context // BLOCK)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, context // block)
     k_t = k.permute(0, 2, 3, 1).contiguous()
     v_cumsum = torch.empty(blocks, HKV, D, device="cuda", dtype=torch.float32)
     for i in range(batch):  # each block: the sequence's values summed up to its end
@@ -47,8 +49,8 @@ def sparq_cache(batch: int, context: int) -> tuple[KVCache, torch.Tensor]:
     return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum), table
 
 
-def bench_sparq(batch: int, context: int) -> list[dict]:
-    cache, table = sparq_cache(batch, context)
+def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
+    cache, table = sparq_cache(batch, context, block)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
@@ -57,15 +59,16 @@ def bench_sparq(batch: int, context: int) -> list[dict]:
     dense_ms = graph_ms(lambda: paged_attention(q, cache, table, cu, lens, 1, num_splits=splits, out=out))
     dense_bytes = 2 * batch * context * HKV * D * 2
     rows = []
-    for name, (r, per_k) in BUDGETS.items():
-        k = context // per_k
-        ms = graph_ms(lambda: sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k, out=out))
-        rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "budget": name, "r": r, "k": k,
-                     "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
-                     "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
-                     "phases_ms": sparq_phases(q, cache, table, lens, r, k)})
-    del cache, table
-    torch.cuda.empty_cache()
+    variants = [(name, False) for name in BUDGETS] if block == 16 else [("1/8", False)]
+    if block == 16:
+        variants.append(("1/8", True))
+    for name, strided in variants:
+        r, k = BUDGETS[name][0], context // BUDGETS[name][1]
+        ms = graph_ms(lambda: sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k, out=out, strided=strided))
+        rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "block_size": block, "budget": name,
+                     "r": r, "k": k, "strided": strided, "ms": ms, "dense_ms": dense_ms,
+                     "speedup_vs_dense": dense_ms / ms, "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
+                     "phases_ms": sparq_phases(q, cache, table, lens, r, k, strided)})
     return rows
 
 
@@ -73,14 +76,14 @@ PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_attend_c
           "_combine": "combine"}
 
 
-def sparq_phases(q, cache, table, lens, r, k) -> dict[str, float]:
+def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]:
     """GPU time per phase of one eager SparQ step (median of 5, by the profiler's kernel names): its own kernels,
     and torch's (the components' top-r and the keys' top-k) as "torch"."""
     cu = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
     runs = []
     for _ in range(5):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k)
+            sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k, strided=strided)
             torch.cuda.synchronize()
         times: dict[str, float] = {}
         for e in prof.key_averages():
@@ -99,12 +102,15 @@ def run(copy_tbs: float) -> list[dict]:
         if need > free:
             print(f"sparq decode {batch}x{context}: left out (needs about {need / 2**30:.0f} GiB)", flush=True)
             continue
-        rows += bench_sparq(batch, context)
-    print(f"\n{'SparQ decode':14s} {'budget':>6s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
+        for block in (16, 64):
+            rows += bench_sparq(batch, context, block)
+            torch.cuda.empty_cache()
+    print(f"\n{'SparQ decode':14s} {'block':>5s} {'budget':>7s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
           f"{'of copy':>7s} {'SparQ ms':>9s} {'speedup':>8s}  phases (ms)")
     for r in rows:
         phases = " ".join(f"{n} {t:.3f}" for n, t in r["phases_ms"].items())
-        print(f"{r['shape']:14s} {r['budget']:>6s} {r['r']:4d} {r['k']:6d} {r['dense_ms']:9.4f} "
+        budget = r["budget"] + (" K" if r["strided"] else "")
+        print(f"{r['shape']:14s} {r['block_size']:5d} {budget:>7s} {r['r']:4d} {r['k']:6d} {r['dense_ms']:9.4f} "
               f"{r['dense_rate_tbs']:10.2f} {r['dense_rate_tbs'] / copy_tbs:7.0%} {r['ms']:9.4f} "
               f"{r['speedup_vs_dense']:7.2f}x  {phases}")
     return rows

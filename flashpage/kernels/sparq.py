@@ -30,11 +30,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2,
-                        num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh,
+                        num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block,
+                        stride_head, stride_comp, stride_tok,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows are the group's heads (GROUP_PAD >= 16 of them, for the tensor cores), columns BLOCK_N keys."""
+    """Rows are the group's heads (GROUP_PAD >= 16 of them, for the tensor cores), columns BLOCK_N keys. KT is the
+    component-major copy (stride_tok 1), or the cache's K itself (strided reads, for comparison)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,7 +60,7 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
     hi = tl.minimum(n_keys, ((split + 1) * tiles // NUM_SPLITS) * BLOCK_N)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    kt_rows = (h * HEAD_DIM + comp.to(tl.int64)) * PAGE_SIZE  # within a block of k_t
+    kt_rows = h * stride_head + comp.to(tl.int64) * stride_comp  # within a block
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         ok = n < hi
@@ -66,8 +68,8 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
         # each component's keys of one page are PAGE_SIZE contiguous values: one vector load (BLOCK_N is a multiple
         # of PAGE_SIZE and so is every tile's start)
         in_page = tl.max_contiguous(tl.multiple_of(n % PAGE_SIZE, PAGE_SIZE), PAGE_SIZE)
-        kt = tl.load(KT + block[None, :] * (num_kv_heads * HEAD_DIM * PAGE_SIZE) + kt_rows[:, None]
-                     + in_page[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
+        kt = tl.load(KT + block[None, :] * stride_block + kt_rows[:, None] + in_page[None, :] * stride_tok,
+                     mask=j_ok[:, None] & ok[None, :], other=0.0)
         s = tile_dot(q_hat, kt, UPCAST) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
         tl.store(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], s, mask=g_ok[:, None] & ok[None, :])
@@ -209,10 +211,11 @@ def _splits(batch: int, kv_heads: int, work: int, device: torch.device) -> int:
 
 
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
-                    out=None, num_splits=None, tiles=None):
+                    out=None, num_splits=None, tiles=None, strided=False):
     """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
     attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step and warps of
-    the scores, of the attention) their shapes (tests, benchmark sweeps)."""
+    the scores, of the attention) their shapes (tests, benchmark sweeps). strided=True reads the r components from
+    the cache's K instead of its component-major copy (what the copy saves, measured by `bench kernels --sparse`)."""
     if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
         raise ValueError("SparQ's Triton kernels decode: one query per sequence")
     if kv_cache.k_t is None:
@@ -242,9 +245,12 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(dim)
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    keys = kv_cache.k if strided else kv_cache.k_t
+    # (block, head, component, token) strides of the keys read
+    key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
     _approximate_scores[(batch, hkv, score_splits)](
-        q, comp, kv_cache.k_t, block_table, seq_lens_k, logits, part_m, part_l, scale,
-        hkv, q.stride(0), q.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
+        q, comp, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
+        hkv, q.stride(0), q.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides,
         GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim,
         BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         num_warps=score_warps)
