@@ -205,25 +205,3 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
 def test_sparse_attention_settings_fail_clearly(smollm_llm, setting, other, names):
     with pytest.raises(ParameterError, match=names.replace("(", r"\(").replace(")", r"\)")):
         engine_from(smollm_llm, sparse_attention=setting, **other)
-
-
-@pytest.mark.parametrize("length,k,block", [(300, 17, 64), (1000, 256, 128), (90, 40, 4096), (5000, 1, 1024)])
-def test_radix_topk(length, k, block):
-    """The Triton radix select picks each row's k largest candidates (negative values are none): the same values
-    as torch.topk, ties included; a row with fewer candidates than k gets all of them first."""
-    from flashpage.kernels.topk import topk_positions
-
-    torch.manual_seed(length + k)
-    values = torch.rand(4, length, device=DEVICE)
-    values[1] = (values[1] * 8).floor() / 8  # many ties at the k-th value
-    values[2, torch.randperm(length)[:length - k // 2]] = -1.0  # fewer candidates than k
-    values[3, : length // 2] = 0.0  # zeros are candidates
-    values[3, length // 2:] *= torch.finfo(torch.float32).tiny  # (denormals)
-    got = topk_positions(values, k, block=block).long()
-    for row in range(4):
-        candidates = int((values[row] >= 0).sum())
-        n = min(k, candidates)
-        picked = got[row, :n]
-        assert picked.unique().numel() == n and bool((values[row, picked] >= 0).all())
-        want = values[row][values[row] >= 0].topk(n).values
-        assert torch.equal(values[row, picked].sort().values, want.sort().values)

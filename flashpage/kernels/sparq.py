@@ -7,8 +7,7 @@ sum, instead of every key and value:
 2. `_approximate_scores`: those components of every key, from the component-major copy `k_t` (one 32-byte run per
    component and page of 16), give each head's approximate scores (kept, float32) and, per split of the keys,
    their running max and sum;
-3. `_aggregate`: each key's approximate probability summed over the group's heads; a radix select
-   (`flashpage.kernels.topk`) picks the k most likely keys;
+3. `_aggregate`: each key's approximate probability summed over the group's heads; torch's topk picks k keys;
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
@@ -24,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.attention import sm_count, tile_dot
-from flashpage.kernels.topk import PASSES, count_digits, new_state, order_key, topk_positions
+from flashpage.kernels.attention import tile_dot, sm_count
 
 _LOG2E = 1.4426950408889634
 
@@ -99,11 +97,10 @@ def _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP: tl.constexpr
 
 
 @triton.jit
-def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, TopkState, num_kv_heads, max_keys, stride_lb, stride_lh,
-               stride_ab, stride_ah, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end), and the top-k
-    select's first pass over them (`flashpage.kernels.topk`)."""
+def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, stride_lb, stride_lh, stride_ab, stride_ah,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -116,9 +113,8 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, TopkState, num_kv_heads,
     ok = n < tl.load(SeqLens + b)
     s = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], mask=g_ok[:, None] & ok[None, :],
                 other=float("-inf"))
-    agg = tl.where(ok, tl.sum(tl.exp2(s - lse[:, None]), 0), -1.0)
-    tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
-    count_digits(order_key(agg), ok, TopkState, b * num_kv_heads + h, SHIFT, BITS, True)
+    agg = tl.sum(tl.exp2(s - lse[:, None]), 0)
+    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0), mask=n < max_keys)
 
 
 @triton.jit
@@ -150,8 +146,8 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
-        ok = (i < hi) & (i < n_keys)  # a sequence shorter than k chose all its keys, at the front
-        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=ok, other=0)
+        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0)
+        ok = (i < hi) & (key < n_keys)  # a sequence shorter than k chose some places past its end
         block = tl.load(BlockTable + b * stride_bt + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         row = block * stride_cb + (key % PAGE_SIZE) * stride_ct + h * stride_ch
         k = tl.load(KCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -261,16 +257,12 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # 3. each key's summed probability; the k most likely keys
     agg = torch.empty(batch, hkv, max_keys, dtype=f32, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
-    topk_state = new_state(batch * hkv, dev)
     agg_block = 1024
     _aggregate[(batch, hkv, triton.cdiv(max_keys, agg_block))](
-        logits, part_m, part_l, seq_lens_k, agg, lse, topk_state, hkv, max_keys, logits.stride(0), logits.stride(1),
-        agg.stride(0), agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
-        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, SHIFT=PASSES[0][0], BITS=PASSES[0][1],
-        num_warps=4)
-    # (a sequence's first min(k, its keys) places hold its choice)
-    chosen = topk_positions(agg.view(batch * hkv, max_keys), num_chosen, topk_state, counted=True).view(
-        batch, hkv, num_chosen)
+        logits, part_m, part_l, seq_lens_k, agg, lse, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
+        agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
+        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, num_warps=4)
+    chosen = agg.topk(num_chosen, dim=-1, sorted=False).indices.to(torch.int32)
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
     part_lse = torch.empty(batch, hq, attend_splits, dtype=f32, device=dev)
