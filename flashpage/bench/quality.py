@@ -1,10 +1,16 @@
 """`flashpage bench quality`: what each lossy mode costs on the default model, on this CPU (the README's quality
-table).
+tables).
 
 SmolLM2 from the default GGUF in float32 against each mode (FP8 KV cache, INT8 KV cache, FP8 weights): perplexity
 over --tokens tokens of CPython's own documentation (`pydoc_data.topics`, in --window-token windows, every token
 scored through the cache as decode reads it), and how many of the first 32 greedy tokens of 8 prompts (64-token
 pieces of the same text) equal float32's.
+
+`--sparse`: SparQ attention instead (`sparse_attention`), at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or
+1/4 of the head dimension, k = 1/16 or 1/8 of the context): perplexity of the second half of a window of each of
+--contexts tokens, every token attended with SparQ as if decoded in turn (`"prompt": true`); and a retrieval check:
+a password stated at the start of about --retrieval-tokens tokens of the same text, asked for at the end, the
+answer decoded with SparQ (the prompt prefilled densely, as served), hits out of 10.
 """
 
 from __future__ import annotations
@@ -28,10 +34,64 @@ def perplexity(llm, ids: list[int], window: int) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
+SPARQ_BUDGETS = {"1/8": (8, 16), "1/4": (4, 8)}  # (head_dim / r, context / k)
+
+
+def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int) -> dict:
+    from flashpage import LLM, SamplingParams
+
+    base = LLM(path, dtype="float32", device="cpu")
+    dim = base.config.head_dim
+    ids = base.tokenizer.encode(text[:8 * max(contexts)])
+
+    def tail_perplexity(llm, n):
+        n = min(n, llm.config.max_position_embeddings - 1)  # (and one token to generate)
+        out = llm.generate([{"prompt_token_ids": ids[:n]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        lps = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]][n // 2:]
+        return math.exp(-sum(lps) / len(lps))
+
+    words = ["lantern", "orchid", "granite", "saffron", "meadow", "copper", "harbor", "velvet", "thistle", "falcon"]
+    filler = base.tokenizer.decode(ids[:retrieval_tokens])
+    prompts = [f"The secret password is {w}. Remember it.\n\n{filler[i * 997 % 4000:]}\n\nQuestion: what is the "
+               f"secret password given at the start of this text?\nAnswer: The secret password is" for i, w in
+               enumerate(words)]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+
+    def hits(llm):
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        return sum(w in o.outputs[0].text.lower() for w, o in zip(words, outs))
+
+    dense = {n: tail_perplexity(base, n) for n in contexts}
+    result = {"contexts": contexts, "dense_perplexity": dense, "dense_retrieval_hits": hits(base), "rows": []}
+    print(f"{'mode':24s} " + " ".join(f"{f'ppl @{n}':>14s}" for n in contexts) + "  retrieval (of 10)")
+    print(f"{'dense':24s} " + " ".join(f"{dense[n]:14.3f}" for n in contexts) + f"  {result['dense_retrieval_hits']}")
+    for budget, (per_r, per_k) in SPARQ_BUDGETS.items():
+        r = dim // per_r
+        ppl = {}
+        for n in contexts:
+            llm = LLM(path, dtype="float32", device="cpu",
+                      sparse_attention={"method": "sparq", "r": r, "k": n // per_k, "prompt": True})
+            ppl[n] = tail_perplexity(llm, n)
+        llm = LLM(path, dtype="float32", device="cpu",
+                  sparse_attention={"method": "sparq", "r": r, "k": retrieval_tokens // per_k})
+        row = {"budget": budget, "r": r, "k_per_context": f"context / {per_k}", "perplexity": ppl,
+               "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm),
+               "retrieval_k": retrieval_tokens // per_k}
+        result["rows"].append(row)
+        print(f"{'SparQ ' + budget + f' (r={r}, k=S/{per_k})':24s} " +
+              " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
+              f"  {row['retrieval_hits']}", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--sparse", action="store_true", help="SparQ attention's cost instead of the quantized modes'")
+    p.add_argument("--contexts", default="1024,2048,4096,8192", help="--sparse: window sizes, comma-separated")
+    p.add_argument("--retrieval-tokens", type=int, default=2000, help="--sparse: the retrieval prompts' length")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pydoc_data.topics import topics
@@ -41,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
 
     path = str(resolve_known_model(DEFAULT_MODEL))
     text = "\n\n".join(topics[k] for k in sorted(topics))
+    if args.sparse:
+        result = sparse_quality(path, text, [int(n) for n in args.contexts.split(",")], args.retrieval_tokens)
+        if args.out:
+            args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **result}, indent=2))
+        return 0
     base = LLM(path, dtype="float32", device="cpu")
     ids = base.tokenizer.encode(text[:40 * args.tokens])[:args.tokens]
     prompts = [{"prompt_token_ids": ids[i * 240:i * 240 + 64]} for i in range(8)]
