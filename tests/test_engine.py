@@ -323,3 +323,20 @@ def test_abort_frees_blocks_and_never_fitting_requests_are_rejected():
     stats = engine.stats()
     assert stats["kv_slots_allocated"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks(smollm_llm):
+    """Every prompt token gets its log-prob once when the prompt is prefilled in chunks: the next chunk is planned
+    while the last is still in flight (overlap), before its log-probs are read back (it once lost all but the
+    first chunk's), and a prompt preempted mid-way is recomputed in chunks cut elsewhere (it once lost the rest)."""
+    prompt = list(range(500, 800))
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1, ignore_eos=True)
+    whole = run(engine_from(smollm_llm), [prompt], params)[0].prompt_logprobs
+    for settings in ({}, {"overlap": False}, {"num_gpu_blocks": 20}):
+        engine = engine_from(smollm_llm, enable_prefix_caching=False, max_num_batched_tokens=64, **settings)
+        outs = run(engine, [list(range(900, 916)), prompt], [SamplingParams(max_tokens=150, ignore_eos=True), params])
+        chunked = outs[1].prompt_logprobs
+        assert engine.stats()["num_preemptions"] > 0 or "num_gpu_blocks" not in settings
+        assert len(chunked) == len(prompt) and chunked[0] is None
+        assert [e[t].logprob for e, t in zip(chunked[1:], prompt[1:])] == \
+            pytest.approx([e[t].logprob for e, t in zip(whole[1:], prompt[1:])], abs=1e-4)

@@ -112,9 +112,15 @@ class Scheduler:
             step.tree = [-1] + [p + 1 for p in parents]
             step.positions = [start + d for d in depths(step.tree)]
         last_prompt = seq.num_prompt_tokens - 1
-        if seq.params.prompt_logprobs is not None and start < last_prompt and len(seq.prompt_logprobs) == start + 1:
-            step.prompt_logprobs = seq.params.prompt_logprobs  # (not again when a preempted prompt is recomputed)
-            step.prompt_targets = seq.token_ids[start + 1:min(start + n, last_prompt) + 1]
+        # The prompt tokens this chunk predicts that no step has scored yet: counted as asked for, not as read back
+        # (the chunk before may still be in flight), so a preempted prompt recomputed in other chunks is scored
+        # once, from where it got to.
+        first, end = seq.prompt_logprobs_asked, min(start + n, last_prompt) + 1
+        if seq.params.prompt_logprobs is not None and start < first < end:
+            step.prompt_logprobs = seq.params.prompt_logprobs
+            step.prompt_targets = seq.token_ids[first:end]
+            step.prompt_skip = first - 1 - start
+            seq.prompt_logprobs_asked = end
         if seq.num_computed == len(seq.token_ids):  # its last token: draw the next one (forks draw from it too)
             step.num_logits = 1 + m
         row = plan.add(step)

@@ -33,6 +33,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict] | None = None  # per generated token {token id: Logprob}
     prompt_logprobs: list[dict | None] | None = None
+    prompt_logprobs_asked: int = 1  # the prompt positions before this one have had their log-probs asked for
     num_pending: int = 0  # PENDING tokens at the end of token_ids
     pending_row: int | None = None  # the last step's sample row of its PENDING token
     last_pending: bool = False  # its pending token ends it (length limit): schedule nothing more

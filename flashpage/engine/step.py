@@ -27,7 +27,8 @@ class SeqStep:
     num_logits: int = 0  # the last num_logits tokens give logits rows (0: a prompt chunk that is not the last)
     last_token_from_row: int | None = None  # token_ids[-1] is the previous step's sampled token of this row
     prompt_logprobs: int | None = None  # top-k log-probs of each prompt token this step's tokens predict
-    prompt_targets: list[int] | None = None  # those prompt tokens (token_ids[i] predicts [i])
+    prompt_targets: list[int] | None = None  # those prompt tokens (token_ids[prompt_skip + i] predicts [i])
+    prompt_skip: int = 0  # the tokens before those that predict the first target (scored in an earlier step)
     # A token tree (its last token and a proposed tree): each token's parent among token_ids (-1: none). Its
     # tokens take consecutive cache slots from positions[0] on; positions are then by depth.
     tree: list[int] | None = None
