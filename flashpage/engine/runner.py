@@ -148,7 +148,7 @@ class ModelRunner:
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
                                             self.num_kv_heads, c.head_dim, self.kv_dtype, self.device,
-                                            sparq=self.sparse is not None)
+                                            sparq=self.sparse is not None and self.sparse.method == "sparq")
         if self.kv_dtype == torch.float8_e4m3fn:  # the checkpoint's per-head scales, where it has them
             for cache, layer in zip(self.kv_caches, self.model.layers):
                 for kind, scale in layer.self_attn.kv_cache_scales.items():
@@ -169,7 +169,8 @@ class ModelRunner:
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                                           c.head_dim, self.kv_dtype, self.sparse is not None)
+                                                           c.head_dim, self.kv_dtype,
+                                                           self.sparse is not None and self.sparse.method == "sparq")
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - cfg.gpu_memory_utilization) * total
@@ -258,7 +259,8 @@ class ModelRunner:
             start = 0
             for s in seqs:
                 if s.prompt_logprobs is not None:
-                    prompt[s.seq_id] = (self.model.compute_logits(hidden[start:start + len(s.prompt_targets)]),
+                    first = start + s.prompt_skip
+                    prompt[s.seq_id] = (self.model.compute_logits(hidden[first:first + len(s.prompt_targets)]),
                                         s.prompt_targets, s.prompt_logprobs)
                 start += len(s.token_ids)
         return logits, prompt
