@@ -12,9 +12,11 @@ from flashpage import SamplingParams
 from flashpage.errors import ParameterError
 from flashpage.kernels import reference as ref
 from flashpage.kernels import sparq
+from flashpage.kernels import triton_ops as tri
+from flashpage.kernels.block_sparse import BlockSparsePattern
 from flashpage.kv import KVCache, allocate_kv_caches
 from test_engine import run
-from test_kernels import paged_case
+from test_kernels import TOL, paged_case
 
 
 def sparq_by_the_paper(q, keys, values, r, k, scale):
@@ -196,6 +198,12 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "sparq", "r": 65, "k": 8}, {}, "r must be at most the head dimension (64)"),
     ({"method": "dense", "r": 8, "k": 8}, {}, "method must be one of"),
     ({"method": "sparq", "r": 8, "k": 8, "top_k": 3}, {}, "top_k is not a known key"),
+    ({"method": "sparq", "r": 8, "k": 8, "local": 3}, {}, "local does not apply to method sparq"),
+    ({"method": "block", "local": 0}, {}, "local must be an integer >= 1"),
+    ({"method": "block", "block": 96}, {}, "block must be a multiple of 64"),
+    ({"method": "block", "stride": 1}, {}, "stride 1 would make every block a line"),
+    ({"method": "block", "k": 8}, {}, "k does not apply to method block"),
+    ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
     ("sparq", {}, "sparse_attention must be dict or None"),
     (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
@@ -205,3 +213,82 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
 def test_sparse_attention_settings_fail_clearly(smollm_llm, setting, other, names):
     with pytest.raises(ParameterError, match=names.replace("(", r"\(").replace(")", r"\)")):
         engine_from(smollm_llm, sparse_attention=setting, **other)
+
+
+PATTERNS = [BlockSparsePattern(64, 1, 2, 0), BlockSparsePattern(64, 2, 1, 3), BlockSparsePattern(128, 0, 2, 2)]
+
+
+def test_block_sparse_pattern_counts_keys():
+    """keys_seen (the stats' count) agrees with the mask, which is causal and never leaves a query without keys."""
+    pos = torch.arange(3000)
+    for pattern in PATTERNS + [BlockSparsePattern(64, 5, 3, 4)]:
+        mask = pattern.visible(pos, pos)
+        assert torch.equal(mask.sum(1), pattern.keys_seen(pos))
+        assert not bool(mask.triu(1).any()) and bool(mask.diagonal().all())
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("lens_k,lens_q,page,hq,hkv,dim", [
+    ([700, 300, 90], [700, 1, 37], 16, 8, 2, 64),  # a whole prompt, a decode (dense), a chunk after a prefix
+    ([520, 260], [200, 3], 32, 9, 3, 128),  # chunks; three queries take the copy-engine tiles on Hopper
+])
+def test_block_sparse_prefill_matches_reference(pattern, lens_k, lens_q, page, hq, hkv, dim):
+    """The Triton paged prefill under a pattern (skipping the tiles it hides) against float64 attention masked by
+    the pattern, as accurate as the dense kernel is against dense attention; sequences decoding one token stay
+    dense."""
+    torch.manual_seed(sum(lens_k) + pattern.local)
+    k, v, table, seq_lens, cu_q = paged_case(lens_k, lens_q, page, hkv, dim, torch.bfloat16)
+    q = torch.randn(int(cu_q[-1]), hq, dim, device=DEVICE, dtype=torch.bfloat16)
+    cache = KVCache(k, v)
+    out = torch.full_like(q, float("nan"))
+    tri.paged_attention(q, cache, table, cu_q, seq_lens, max(lens_q), block_sparse=pattern, out=out)
+    double = KVCache(k.double(), v.double())
+    want = ref.paged_attention(q.double(), double, table, cu_q, seq_lens, max(lens_q), block_sparse=pattern)
+    dense = ref.paged_attention(q.double(), double, table, cu_q, seq_lens, max(lens_q))
+    dense_kernel = tri.paged_attention(q, cache, table, cu_q, seq_lens, max(lens_q))
+    assert rel_err(out, want) < TOL[torch.bfloat16]
+    assert rel_err(out, want) < 1.5 * rel_err(dense_kernel, dense)  # (as accurate as the dense kernel)
+    assert rel_err(want, dense) > 0.05  # (the pattern hides keys)
+    decode = int(cu_q[1])  # the decoding sequence's row sees every key
+    if lens_q[1] == 1:
+        assert rel_err(out[decode], dense[decode]) < 1e-2
+
+
+def test_block_sparse_engine(smollm_llm):
+    """Block-sparse prefill in the engine: a window covering the prompt changes nothing; a narrow one changes
+    the prompt's log-probs, the same whole or prefilled in chunks, and with a prefix hit; stats count the keys
+    the pattern kept."""
+    prompt = real_text(smollm_llm, 300)
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+
+    def logprobs(engine, prompts):
+        return [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in run(engine, prompts,
+                                                                                              params)]
+
+    dense = logprobs(engine_from(smollm_llm), [prompt])[0]
+    wide = {"method": "block", "block": 64, "sink": 0, "local": 5}
+    assert logprobs(engine_from(smollm_llm, sparse_attention=wide), [prompt])[0] == pytest.approx(dense, abs=1e-4)
+    narrow = {"method": "block", "block": 64, "sink": 1, "local": 1, "stride": 2}
+    engine = engine_from(smollm_llm, sparse_attention=narrow)
+    whole = logprobs(engine, [prompt])[0]
+    assert max(abs(a - b) for a, b in zip(whole, dense)) > 0.1
+    stats = engine.stats()
+    pattern = BlockSparsePattern(64, 1, 1, 2)
+    positions = torch.arange(len(prompt))
+    assert stats["sparse_attention_keys_fraction"] == pytest.approx(
+        float(pattern.keys_seen(positions).sum() / (positions + 1).sum()))
+    chunked = logprobs(engine_from(smollm_llm, sparse_attention=narrow, max_num_batched_tokens=96,
+                                   enable_prefix_caching=False), [prompt])[0]
+    assert chunked == pytest.approx(whole, abs=1e-4)
+    gen = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+
+    def generated(engine):
+        out = run(engine, [prompt], gen)[0].outputs[0]
+        return out.token_ids, [next(iter(e.values())).logprob for e in out.logprobs]
+
+    engine = engine_from(smollm_llm, sparse_attention=narrow)
+    run(engine, [prompt[:256] + real_text(smollm_llm, 20, start=20000)], gen)  # caches the first 16 blocks
+    tokens, lps = generated(engine)
+    assert engine.stats()["prefix_cache_hits"] >= 240
+    want_tokens, want_lps = generated(engine_from(smollm_llm, sparse_attention=narrow, enable_prefix_caching=False))
+    assert tokens == want_tokens and lps == pytest.approx(want_lps, abs=1e-4)

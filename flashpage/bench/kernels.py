@@ -181,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tile shapes")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                         help="also time decode over a quantized cache, against the bf16 one (ratios)")
-    parser.add_argument("--sparse", action="store_true", help="also time SparQ decode against the dense decode "
-                        "(flashpage.bench.sparse)")
-    parser.add_argument("--only-sparse", action="store_true", help="time SparQ decode and nothing else")
+    parser.add_argument("--sparse", action="store_true", help="also time SparQ decode and block-sparse prefill "
+                        "against dense (flashpage.bench.sparse)")
+    parser.add_argument("--only-sparse", action="store_true", help="time the sparse kernels and nothing else")
+    parser.add_argument("--no-sparq", action="store_true", help="with --sparse: block-sparse prefill only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("flashpage bench kernels needs a CUDA GPU")
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sparse or args.only_sparse:
         from flashpage.bench import sparse
 
-        rows += sparse.run(bw)
+        rows += sparse.run(bw, mm, sparq_decode=not args.no_sparq)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"date": date.today().isoformat(), "gpu": gpu, "torch": torch.__version__, "host": platform.node(),

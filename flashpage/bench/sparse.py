@@ -1,4 +1,9 @@
-"""`flashpage bench kernels --sparse`: SparQ decode against the dense paged decode, same caches, same run.
+"""`flashpage bench kernels --sparse`: SparQ decode against the dense paged decode, and block-sparse prefill
+against the dense paged prefill, same caches, same run.
+
+Block-sparse: one sequence's prompt of 16k/32k/64k tokens prefilled through the paged path (bf16, 32/8 heads,
+head dim 128, block size 16, shuffled), dense and under patterns of blocks of 64 with one sink block, a vertical
+line every 64 blocks and the window that brings the share of causal keys seen nearest 25% and 10%.
 
 bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
@@ -17,6 +22,7 @@ import torch
 from flashpage.bench.common import median_ms
 from flashpage.kernels import sparq
 from flashpage.kernels.attention import choose_num_splits
+from flashpage.kernels.block_sparse import BlockSparsePattern
 from flashpage.kernels.triton_ops import paged_attention
 from flashpage.kv import KVCache
 
@@ -94,10 +100,52 @@ def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]
     return {n: sorted(t.get(n, 0.0) for t in runs)[2] for n in ["scores", "aggregate", "attend", "combine", "torch"]}
 
 
-def run(copy_tbs: float) -> list[dict]:
+def pattern_for(context: int, density: float) -> BlockSparsePattern:
+    """Blocks of 64, one sink block, a vertical line every 64 blocks, and the window that brings the share of the
+    causal keys seen closest to `density`."""
+    pos = torch.arange(context)
+    causal = float((pos + 1).sum())
+    return min((BlockSparsePattern(64, 1, local, 64) for local in range(1, context // 64 + 1)),
+               key=lambda p: abs(float(p.keys_seen(pos).sum()) / causal - density))
+
+
+def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
+    """One sequence's prompt of `context` tokens prefilled through the paged path (block size 16, shuffled), dense
+    and under patterns of about 25% and 10% density."""
+    blocks = context // 16
+    k = torch.randn(blocks, 16, HKV, D, device="cuda", dtype=torch.bfloat16)
+    cache = KVCache(k, torch.randn_like(k))
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(1, blocks)
+    q = torch.randn(context, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, context], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([context], device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    dense_ms = median_ms(lambda: paged_attention(q, cache, table, cu, lens, context, out=out))
+    flops = 4 * HQ * context * context * D / 2
     rows = []
+    for density in (0.25, 0.10):
+        pattern = pattern_for(context, density)
+        pos = torch.arange(context)
+        kept = float(pattern.keys_seen(pos).sum()) / float((pos + 1).sum())
+        ms = median_ms(lambda: paged_attention(q, cache, table, cu, lens, context, out=out, block_sparse=pattern))
+        rows.append({"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__,
+                     "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
+                     "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /
+                     matmul_tflops, "sparse_tflops_on_kept": flops * kept / ms / 1e9})
+    return rows
+
+
+def run(copy_tbs: float, matmul_tflops: float, sparq_decode: bool = True) -> list[dict]:
+    rows = []
+    for context in (16384, 32768, 65536):
+        rows += bench_block_sparse(context, matmul_tflops)
+    print(f"\n{'block-sparse prefill':22s} {'density':>7s} {'window':>6s} {'dense ms':>9s} {'TFLOP/s':>8s} "
+          f"{'sparse ms':>9s} {'speedup':>8s} {'TFLOP/s on kept':>15s}")
+    for r in rows:
+        print(f"{r['shape']:22s} {r['density']:7.1%} {r['pattern']['local']:6d} {r['dense_ms']:9.3f} "
+              f"{r['dense_tflops']:8.0f} {r['ms']:9.3f} {r['speedup_vs_dense']:7.2f}x {r['sparse_tflops_on_kept']:15.0f}")
     free = torch.cuda.mem_get_info()[0]
-    for batch, context in SHAPES:
+    for batch, context in SHAPES if sparq_decode else []:
         need = 3 * batch * context * HKV * D * 2 * 1.6  # K, V, K again, and room for the step's buffers
         if need > free:
             print(f"sparq decode {batch}x{context}: left out (needs about {need / 2**30:.0f} GiB)", flush=True)
@@ -107,7 +155,7 @@ def run(copy_tbs: float) -> list[dict]:
             torch.cuda.empty_cache()
     print(f"\n{'SparQ decode':14s} {'block':>5s} {'budget':>7s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
           f"{'of copy':>7s} {'SparQ ms':>9s} {'speedup':>8s}  phases (ms)")
-    for r in rows:
+    for r in (r for r in rows if r["kind"] == "sparq decode"):
         phases = " ".join(f"{n} {t:.3f}" for n, t in r["phases_ms"].items())
         budget = r["budget"] + (" K" if r["strided"] else "")
         print(f"{r['shape']:14s} {r['block_size']:5d} {budget:>7s} {r['r']:4d} {r['k']:6d} {r['dense_ms']:9.4f} "

@@ -58,7 +58,9 @@ class EngineConfig:
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
                                                "line): method ngram or draft_model, num_speculative_tokens, ...")
     sparse_attention: dict | None = _setting(None, "opt-in, lossy sparse attention (JSON on the command line): "
-                                             '{"method": "sparq", "r": 16, "k": 256}, SparQ for decode')
+                                             '{"method": "sparq", "r": 16, "k": 256}, SparQ for decode; '
+                                             '{"method": "block", "block": 64, "sink": 1, "local": 16, '
+                                             '"stride": 0}, block-sparse prefill')
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -225,9 +225,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         launched = None
         self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
-        if self.sparse_stats:  # the queries sparse attention serves: decode steps' (and with `prompt`, all)
-            self.sparse_stats.record([p + 1 for s in plan.seqs for p in s.positions
-                                      if self.sparse_stats.config.prompt or len(s.token_ids) == 1])
+        if self.sparse_stats:
+            self.sparse_stats.record(plan.seqs)
         self._early_outputs = None
         if plan.seqs:
             # Penalties and bad words need every earlier token on the host before the next step samples; so do

@@ -4,6 +4,9 @@
   sparq_attention`): each decoded token reads r components of every cached key, then k whole keys and values.
   `"prompt": true` applies it to the prompt's tokens too, as if each were decoded in turn (how the quality table
   scores it; the CPU and PyTorch kernels only).
+- `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
+  (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
+  window, vertical lines), whose hidden key tiles the kernel skips; decoding stays dense.
 """
 
 from __future__ import annotations
@@ -11,17 +14,31 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashpage.errors import ParameterError
+import torch
 
-METHODS = ("sparq",)
+from flashpage.errors import ParameterError
+from flashpage.kernels.block_sparse import BlockSparsePattern
+
+METHODS = {"sparq": ("r", "k", "prompt"), "block": ("block", "sink", "local", "stride")}
 
 
 @dataclass(frozen=True)
 class SparseAttentionConfig:
     method: str
-    r: int  # sparq: query components that approximate the scores (1..head_dim)
-    k: int  # sparq: keys attended exactly per decoded token and KV head (>= 1)
+    r: int | None = None  # sparq: query components that approximate the scores (1..head_dim)
+    k: int | None = None  # sparq: keys attended exactly per decoded token and KV head (>= 1)
     prompt: bool = False  # sparq: the prompt's tokens too (CPU / PyTorch kernels)
+    block: int = 64  # block: positions per block (a multiple of 64)
+    sink: int = 1  # block: first blocks every query sees
+    local: int = 16  # block: the window, in blocks, the query's own included (>= 1)
+    stride: int = 0  # block: every stride-th block a vertical line every query sees (0: none)
+
+    @property
+    def pattern(self) -> BlockSparsePattern | None:
+        """The block method's pattern (None for SparQ)."""
+        if self.method != "block":
+            return None
+        return BlockSparsePattern(self.block, self.sink, self.local, self.stride)
 
     @classmethod
     def from_dict(cls, d: dict) -> SparseAttentionConfig:
@@ -34,20 +51,38 @@ class SparseAttentionConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             bad(unknown[0], f"is not a known key (known: {', '.join(sorted(known))})")
-        if d.get("method") not in METHODS:
-            bad("method", f"must be one of {', '.join(METHODS)}, got {d.get('method')!r}")
-        for key in ("r", "k"):
-            v = d.get(key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                bad(key, f"must be an integer >= 1, got {v!r}")
-        if not isinstance(d.get("prompt", False), bool):
-            bad("prompt", f"must be true or false, got {d['prompt']!r}")
+        method = d.get("method")
+        if method not in METHODS:
+            bad("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+        other = sorted(set(d) - {"method", *METHODS[method]})
+        if other:
+            bad(other[0], f"does not apply to method {method} (its keys: {', '.join(METHODS[method])})")
+
+        def integer(key, low, default=None):
+            v = d.get(key, default)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                bad(key, f"must be an integer >= {low}, got {v!r}")
+
+        if method == "sparq":
+            integer("r", 1)
+            integer("k", 1)
+            if not isinstance(d.get("prompt", False), bool):
+                bad("prompt", f"must be true or false, got {d['prompt']!r}")
+        else:
+            integer("block", 64, cls.block)
+            if d.get("block", cls.block) % 64:
+                bad("block", f"must be a multiple of 64 (the kernels' key tile), got {d['block']}")
+            integer("sink", 0, cls.sink)
+            integer("local", 1, cls.local)  # (0 would leave a query with no key, not even itself)
+            integer("stride", 0, cls.stride)
+            if d.get("stride", 0) == 1:
+                bad("stride", "1 would make every block a line: use dense attention (0: no lines, or >= 2)")
         return cls(**d)
 
     def check_serves(self, *, head_dim: int, kernels: str, kv_cache_dtype: str, speculative: bool,
                      sliding_window: int | None) -> None:
         """Raises ParameterError for a setting this engine cannot serve with sparse attention."""
-        if self.r > head_dim:
+        if self.method == "sparq" and self.r > head_dim:
             raise ParameterError("sparse_attention.r", f"sparse_attention: r must be at most the head dimension "
                                  f"({head_dim}), got {self.r}")
         for name, unserved in (("speculative_config", speculative), ("kv_cache_dtype", kv_cache_dtype != "auto"),
@@ -63,21 +98,28 @@ class SparseAttentionConfig:
 
 @dataclass
 class SparseStats:
-    """What sparse attention read, summed over the queries it served (each layer alike): keys attended exactly
-    against keys visible, and bytes read against dense attention's K and V (r / (2 head_dim) of every key's bytes
-    for the approximate scores, plus the chosen keys and values)."""
+    """What sparse attention read, summed over the queries it served (each layer alike): keys attended (exactly)
+    against the keys dense attention would have, and bytes read against dense attention's K and V (SparQ: r / (2
+    head_dim) of every key's bytes for the approximate scores, plus the chosen keys and values)."""
     config: SparseAttentionConfig
     head_dim: int
     keys_visible: int = 0
     keys_attended: int = 0
 
-    def record(self, contexts: list[int]) -> None:
-        """Queries that saw these numbers of keys."""
-        self.keys_visible += sum(contexts)
-        self.keys_attended += sum(min(self.config.k, c) for c in contexts)
+    def record(self, steps) -> None:
+        """A step's sequences (SeqStep): the queries sparse attention served in it."""
+        c = self.config
+        if c.method == "sparq":
+            contexts = [p + 1 for s in steps for p in s.positions if c.prompt or len(s.token_ids) == 1]
+            self.keys_visible += sum(contexts)
+            self.keys_attended += sum(min(c.k, n) for n in contexts)
+            return
+        positions = torch.tensor([p for s in steps if len(s.token_ids) > 1 for p in s.positions], dtype=torch.int64)
+        self.keys_visible += int((positions + 1).sum())
+        self.keys_attended += int(c.pattern.keys_seen(positions).sum())
 
     def as_dict(self) -> dict:
         visible = max(self.keys_visible, 1)
-        approx = self.config.r / (2 * self.head_dim) * self.keys_visible
+        approx = self.config.r / (2 * self.head_dim) * self.keys_visible if self.config.method == "sparq" else 0
         return {"sparse_attention_keys_fraction": self.keys_attended / visible,
                 "sparse_attention_bytes_fraction": (approx + self.keys_attended) / visible}

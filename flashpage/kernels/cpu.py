@@ -29,7 +29,8 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
-                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None):
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None,
+                    block_sparse=None):
     """Decode: one call per group of sequences with the same number of pages, keys padded to those pages and the
     padding masked. Grouping by a sequence's own page count keeps each result independent of what else is batched
     (a reduction's order depends on the padded length), so a seeded request samples the same tokens in any batch."""
@@ -37,7 +38,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     if max_seqlen_q != 1 or q.shape[0] != batch or query_mask is not None:  # prefill, trees: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                         out=out, query_mask=query_mask)
+                                         out=out, query_mask=query_mask, block_sparse=block_sparse)
     page = kv_cache.k.shape[1]
     lens = seq_lens_k.long()
     num_pages = (lens + page - 1) // page

@@ -27,7 +27,8 @@ class AttentionMetadata:
     # (`flashpage.kernels.tree`; positions then give each node's depth); None: causal.
     query_mask: torch.Tensor | None = None
     # Sparse attention (a `flashpage.engine.sparse.SparseAttentionConfig`): SparQ for the sequences that decode one
-    # token (and the prompt's tokens with `prompt`), over a cache allocated with its extras (sparq=True).
+    # token (and the prompt's tokens with `prompt`), over a cache allocated with its extras (sparq=True); or a
+    # block-sparse pattern for the sequences that prefill two or more tokens.
     sparse: object | None = None
 
     @classmethod
@@ -56,13 +57,14 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
     q, k = ops.rope_and_cache(q, k, cos, sin, v, kv_cache, meta.slot_mapping)
     if kv_cache.k_t is not None:
         ops.write_sparq_copies(k, kv_cache, meta.slot_mapping, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k)
-    sparse = meta.sparse
+    sparse = meta.sparse if meta.sparse is not None and meta.sparse.method == "sparq" else None
     if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                    meta.max_seqlen_q, r=sparse.r, k=sparse.k, softmax_scale=scale)
     out = ops.paged_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                               meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window,
-                              query_mask=meta.query_mask)
+                              query_mask=meta.query_mask,
+                              block_sparse=meta.sparse.pattern if meta.sparse is not None else None)
     if sparse is not None:  # a step that prefills some sequences and decodes others: SparQ for the decoding ones
         cu = meta.cu_seqlens_q
         decoding = ((cu[1:] - cu[:-1]) == 1).nonzero()[:, 0]
