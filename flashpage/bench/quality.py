@@ -6,11 +6,13 @@ over --tokens tokens of CPython's own documentation (`pydoc_data.topics`, in --w
 scored through the cache as decode reads it), and how many of the first 32 greedy tokens of 8 prompts (64-token
 pieces of the same text) equal float32's.
 
-`--sparse`: SparQ attention instead (`sparse_attention`), at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or
-1/4 of the head dimension, k = 1/16 or 1/8 of the context): perplexity of the second half of a window of each of
---contexts tokens, every token attended with SparQ as if decoded in turn (`"prompt": true`); and a retrieval check:
-a password stated at the start of about --retrieval-tokens tokens of the same text, asked for at the end, the
-answer decoded with SparQ (the prompt prefilled densely, as served), hits out of 10.
+`--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
+keys (`bench.sparse.pattern_for`), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
+head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if decoded in turn: `"prompt":
+true`): perplexity of the second half of a window of each of --contexts tokens; and a retrieval check: a password
+stated at the start of about --retrieval-tokens tokens of the same text, asked for at the end, answered greedily
+(SparQ decodes the answer over a densely prefilled prompt, as served; block-sparse prefills the prompt, the answer
+decoded densely), hits out of 10.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def perplexity(llm, ids: list[int], window: int) -> float:
 SPARQ_BUDGETS = {"1/8": (8, 16), "1/4": (4, 8)}  # (head_dim / r, context / k)
 
 
-def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int) -> dict:
+def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int,
+                   methods: tuple[str, ...] = ("sparq", "block")) -> dict:
     from flashpage import LLM, SamplingParams
 
     base = LLM(path, dtype="float32", device="cpu")
@@ -66,7 +69,23 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
     result = {"contexts": contexts, "dense_perplexity": dense, "dense_retrieval_hits": hits(base), "rows": []}
     print(f"{'mode':24s} " + " ".join(f"{f'ppl @{n}':>14s}" for n in contexts) + "  retrieval (of 10)")
     print(f"{'dense':24s} " + " ".join(f"{dense[n]:14.3f}" for n in contexts) + f"  {result['dense_retrieval_hits']}")
-    for budget, (per_r, per_k) in SPARQ_BUDGETS.items():
+    for density in (0.25, 0.10) if "block" in methods else ():
+        from flashpage.bench.sparse import pattern_for
+
+        ppl = {}
+        for n in contexts:
+            pattern = pattern_for(min(n, base.config.max_position_embeddings - 1), density)
+            llm = LLM(path, dtype="float32", device="cpu", sparse_attention={"method": "block", **pattern.__dict__})
+            ppl[n] = tail_perplexity(llm, n)
+        pattern = pattern_for(retrieval_tokens, density)
+        llm = LLM(path, dtype="float32", device="cpu", sparse_attention={"method": "block", **pattern.__dict__})
+        row = {"method": "block", "density": density, "perplexity": ppl, "ratio": {n: ppl[n] / dense[n] for n in
+               contexts}, "retrieval_hits": hits(llm)}
+        result["rows"].append(row)
+        print(f"{f'block-sparse {density:.0%}':24s} " +
+              " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
+              f"  {row['retrieval_hits']}", flush=True)
+    for budget, (per_r, per_k) in SPARQ_BUDGETS.items() if "sparq" in methods else ():
         r = dim // per_r
         ppl = {}
         for n in contexts:
@@ -75,7 +94,7 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
             ppl[n] = tail_perplexity(llm, n)
         llm = LLM(path, dtype="float32", device="cpu",
                   sparse_attention={"method": "sparq", "r": r, "k": retrieval_tokens // per_k})
-        row = {"budget": budget, "r": r, "k_per_context": f"context / {per_k}", "perplexity": ppl,
+        row = {"method": "sparq", "budget": budget, "r": r, "k_per_context": f"context / {per_k}", "perplexity": ppl,
                "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm),
                "retrieval_k": retrieval_tokens // per_k}
         result["rows"].append(row)
@@ -92,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse", action="store_true", help="SparQ attention's cost instead of the quantized modes'")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="--sparse: window sizes, comma-separated")
     p.add_argument("--retrieval-tokens", type=int, default=2000, help="--sparse: the retrieval prompts' length")
+    p.add_argument("--methods", default="block,sparq", help="--sparse: which methods, comma-separated")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pydoc_data.topics import topics
@@ -102,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     path = str(resolve_known_model(DEFAULT_MODEL))
     text = "\n\n".join(topics[k] for k in sorted(topics))
     if args.sparse:
-        result = sparse_quality(path, text, [int(n) for n in args.contexts.split(",")], args.retrieval_tokens)
+        result = sparse_quality(path, text, [int(n) for n in args.contexts.split(",")], args.retrieval_tokens,
+                                tuple(args.methods.split(",")))
         if args.out:
             args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **result}, indent=2))
         return 0
