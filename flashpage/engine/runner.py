@@ -138,6 +138,7 @@ class ModelRunner:
             self.sparse.check_serves(head_dim=self.config.head_dim, kernels=kernels, kv_cache_dtype=cfg.kv_cache_dtype,
                                      speculative=cfg.speculative is not None,
                                      sliding_window=self.config.sliding_window)
+        self.sparq_cache = self.sparse is not None and self.sparse.method == "sparq"  # (its key copy and value sums)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_dtype = KV_CACHE_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
         if cfg.kv_cache_dtype == "fp8":
@@ -148,7 +149,7 @@ class ModelRunner:
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
                                             self.num_kv_heads, c.head_dim, self.kv_dtype, self.device,
-                                            sparq=self.sparse is not None and self.sparse.method == "sparq")
+                                            sparq=self.sparq_cache)
         if self.kv_dtype == torch.float8_e4m3fn:  # the checkpoint's per-head scales, where it has them
             for cache, layer in zip(self.kv_caches, self.model.layers):
                 for kind, scale in layer.self_attn.kv_cache_scales.items():
@@ -169,8 +170,7 @@ class ModelRunner:
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                                           c.head_dim, self.kv_dtype,
-                                                           self.sparse is not None and self.sparse.method == "sparq")
+                                                           c.head_dim, self.kv_dtype, self.sparq_cache)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - cfg.gpu_memory_utilization) * total
