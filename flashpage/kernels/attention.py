@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashpage.kernels import hopper_prefill
+from flashpage.kernels.device import sm_count
 from flashpage.kernels.tree import check_query_mask
 
 
@@ -383,6 +385,12 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     if total_q == 0 or batch == 0:
         return out
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if (tiles is None and not batch_invariant and scales is None and tree_mask is None and block_sparse is None
+            and num_splits == 1 and max_seqlen_q * group > 16 and not interpret
+            and hopper_prefill.serves(q, k, v, page_size if paged else None)):
+        return hopper_prefill.prefill(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table if paged else None,
+                                      max_seqlen_q, causal=causal, sm_scale_log2=scale, window_size=window_size)
     # Decode reads pages through the copy engine: each program keeps several pages in flight. Its tiles are at most
     # one page, and a tile feeds tl.dot, which needs 16 keys or more.
     tma = (not batch_invariant and paged and max_seqlen_q * group <= 16 and page_size >= 16
@@ -397,7 +405,6 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
     if tma:
         assert page_size % block_n == 0, "a copy-engine tile must lie inside one page"
         k, v = (cache_descriptor(c, block_n) for c in (k, v))
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     # Programmatic dependent launch: the merge is launched while the split programs run and waits for their writes
     # on the GPU, which takes its launch off the critical path.
     pdl = num_splits > 1 and not interpret and not _before_hopper(q.device)
@@ -517,9 +524,3 @@ def _programs_per_wave(device: torch.device) -> int:
     if device.type != "cuda":
         return 1 << 30
     return 8 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the query is slow)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.attention import sm_count
+from flashpage.kernels.device import sm_count
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 _CUTS = tl.constexpr(16)  # cut points per search pass (cut 0 is the current lower bound)

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.attention import tile_dot, sm_count
+from flashpage.kernels.attention import tile_dot
+from flashpage.kernels.device import sm_count
 
 _LOG2E = 1.4426950408889634
 

@@ -1,0 +1,13 @@
+"""What the kernels ask of the CUDA device."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query is slow)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

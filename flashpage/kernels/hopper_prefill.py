@@ -1,0 +1,364 @@
+"""Prefill attention for Hopper GPUs in Gluon: FlashAttention-3's design (docs/kernel-notes.md, "Hopper prefill").
+
+The portable Triton kernel (`flashpage.kernels.attention`) leaves the schedule to the compiler; this one spells it
+out at the level FA3 works at. A program owns BLOCK_M rows of one sequence and one KV head, where a row is a
+(query token, query head of that KV head's group) pair, as in the portable kernel: each K/V tile serves the whole
+GQA group, and a decoding sequence in a mixed step takes one program per KV head, not one per query head.
+
+- Warp specialisation: a producer warp only issues copies; two consumer warpgroups (BLOCK_M / 2 rows each) only
+  compute, with the registers the producer gives up (setmaxnreg).
+- K and V tiles come through the tensor copy engine (TMA) into a ring of STAGES shared-memory slots with
+  ready / empty barriers, so the loads of later tiles fly while the tensor cores work. A paged cache's tile is one
+  copy per page (pages of 16 keys are smaller than a good key tile). Q is gathered once by the consumers (its rows
+  interleave heads, which no copy-engine box describes).
+- Both products are warpgroup MMAs (wgmma): S = Q Kᵀ from shared memory, O += P V with P straight from registers.
+- Each consumer's loop is software-pipelined as in FA3: S for the next tile and P V for this one are issued
+  together, and the next tile's softmax runs while the tensor cores still multiply P V; and the two consumers take
+  turns at the tensor cores (ping-pong), so one's softmax overlaps the other's products.
+Masks are bottom-right aligned, as in the portable kernel: query i of a sequence sits at key position
+k_len - q_len + i.
+
+This is the fast path for what prefill uses (bf16/fp16, head dim 64 or 128, causal or not, windows, a paged or a
+contiguous K/V); everything else (quantized caches, token trees, block-sparse patterns, batch invariance, older
+GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are `tests/gpu/test_hopper_prefill.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, BlockTable, seq, stride_bt, start, k_start, k_len,
+              kv_col, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Start copying the K and V tiles of keys [start, start + BLOCK_N) into k_smem and v_smem. A paged tile's
+    pages past the sequence's last are its last again (the block table has no entries there; the consumers mask
+    those keys and zero those values)."""
+    mbarrier.expect(k_bar, k_desc.block_type.nbytes * (BLOCK_N // k_desc.block_type.shape[0]))
+    mbarrier.expect(v_bar, v_desc.block_type.nbytes * (BLOCK_N // v_desc.block_type.shape[0]))
+    if PAGED:
+        ROWS: gl.constexpr = k_desc.block_type.shape[0]  # a page, or BLOCK_N keys of a larger page
+        for p in gl.static_range(BLOCK_N // ROWS):
+            pos = start + p * ROWS
+            page = gl.minimum(pos // PAGE_SIZE, (k_len - 1) // PAGE_SIZE)
+            row = gl.load(BlockTable + seq * stride_bt + page) * PAGE_SIZE + pos % PAGE_SIZE
+            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bar, k_smem.slice(p * ROWS, ROWS))
+            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bar, v_smem.slice(p * ROWS, ROWS))
+    else:
+        tma.async_copy_global_to_shared(k_desc, [k_start + start, kv_col], k_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [k_start + start, kv_col], v_bar, v_smem)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, start, q_pos, lo_key, hi, masked, sm_scale_log2, window_left, window_right,
+                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One key tile's online softmax: the tile's probabilities P (unnormalised), the factor alpha that rescales
+    what came before, and the new running max and sum. Scores stay unscaled; the scale folds into exp2's argument."""
+    if masked:  # the tile holds keys some rows must not see
+        kpos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = (kpos[None, :] < hi) & (kpos[None, :] >= lo_key) & (q_pos[:, None] >= 0)
+        if CAUSAL:
+            visible = visible & (kpos[None, :] <= q_pos[:, None])
+        if window_right >= 0:
+            visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
+        if window_left >= 0:
+            visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * sm_scale_log2)  # rows that have seen no key yet
+    p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
+    alpha = gl.exp2(m_i * sm_scale_log2 - m_scaled)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.constexpr_function
+def _row_layout(block_n, head_dim, num_warps):
+    """A plain layout for a [block_n, head_dim] tile: 8 contiguous elements per thread."""
+    cols = min(head_dim // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _zero_rows_from(smem, first, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    """Zero the rows of a shared [BLOCK_N, HEAD_DIM] tile from row `first` on (nothing if first >= BLOCK_N)."""
+    if first < BLOCK_N:
+        layout: gl.constexpr = _row_layout(BLOCK_N, HEAD_DIM, num_warps)
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        tile = smem.load(layout)
+        smem.store(gl.where((rows < first)[:, None], tile, gl.zeros_like(tile)))
+        gl.thread_barrier()
+        fence_async_shared()  # the tensor cores read shared memory through the async proxy
+
+
+@gluon.jit
+def _row_offsets(rows, d, q_start, kv_head, stride_t, stride_h, GROUP: gl.constexpr):
+    """Element offsets of rows (token, query head of kv_head's group) x columns d of a [tokens, Hq, D] tensor."""
+    tok = (q_start + rows // GROUP).to(gl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    return tok[:, None] * stride_t + head[:, None] * stride_h + d[None, :]
+
+
+@gluon.jit
+def _zeros(ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+    """The accumulator a product with use_acc=False ignores."""
+    return gl.zeros([ROWS, COLS], gl.float32, layout=layout)
+
+
+@gluon.jit
+def _wait_turn(turn, j, WG: gl.constexpr):
+    """Ping-pong (FA3): the two consumer warpgroups take turns sending their products to the tensor cores, so one
+    computes its softmax while the other's products run. Round j of warpgroup WG waits for the other's round j - 1
+    (warpgroup 0) or j (warpgroup 1); a fresh barrier counts its phase before the first as complete."""
+    mbarrier.wait(turn, (j & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
+             BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles, sm_scale_log2,
+             window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it. (Its arguments
+    are the consumers': warp_specialize's workers share one signature.)"""
+    for i in range(n_tiles):
+        slot = i % STAGES
+        mbarrier.wait(kv_empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+        _issue_kv(k_desc, v_desc, k_smem.index(slot), v_smem.index(slot), k_ready.index(slot), v_ready.index(slot),
+                  BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start, k_len, kv_head * HEAD_DIM, PAGED,
+                  PAGE_SIZE, BLOCK_N)
+
+
+@gluon.jit
+def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
+                 BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles, sm_scale_log2,
+                 window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: ROWS rows from row0 over the program's key tiles [lo, hi), written to Out."""
+    # wgmma layouts: one 16-row slice per warp; S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM], and P is S's
+    # registers reused as O's left operand.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    q_layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(Q + _row_offsets(rows, d, q_start, kv_head, stride_qt, stride_qh, GROUP),
+                mask=(rows < q_len * GROUP)[:, None], other=0.0)
+    q_smem.store(q)
+    gl.thread_barrier()
+    fence_async_shared()  # the tensor cores read shared memory through the async proxy
+
+    # Tiles wholly below every row's diagonal need no mask; with a window, every tile is masked.
+    first_pos = k_len - q_len + row0 // GROUP
+    unmasked_hi = lo
+    if window_left < 0 and window_right < 0:
+        bound = gl.minimum(hi, first_pos + 1) if CAUSAL else hi
+        unmasked_hi = gl.maximum(bound, 0) // BLOCK_N * BLOCK_N
+    tok = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) // GROUP
+    q_pos = gl.where(tok < q_len, k_len - q_len + tok, -1)  # rows past the sequence see nothing
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+
+    # The first tile's scores and probabilities, before the pipelined loop.
+    mbarrier.wait(k_ready.index(0), 0)
+    _wait_turn(turn, 0, WG)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout), use_acc=False,
+                      is_async=True)
+    mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, q_pos, lo_key, hi, lo + BLOCK_N > unmasked_hi,
+                                       sm_scale_log2, window_left, window_right, CAUSAL, BLOCK_N, s_layout)
+    # Tile i: rescale what tiles before it summed, then send its P V and tile i + 1's scores to the tensor cores
+    # together, and run tile i + 1's softmax while P V is still being multiplied.
+    for i in range(0, n_tiles - 1):
+        slot = i % STAGES
+        nslot = (i + 1) % STAGES
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(k_ready.index(nslot), ((i + 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(slot), (i // STAGES) & 1)
+        _wait_turn(turn, i + 1, WG)
+        s = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
+                          use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        start = lo + (i + 1) * BLOCK_N
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, start, q_pos, lo_key, hi, start + BLOCK_N > unmasked_hi,
+                                           sm_scale_log2, window_left, window_right, CAUSAL, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(slot), count=1)  # this warpgroup is done with the slot
+    last = n_tiles - 1
+    slot = last % STAGES
+    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+    if PAGED:  # a cache's slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
+        # (both consumers zero the same rows of the last tile, writing the same values)
+        _zero_rows_from(v_smem.index(slot), k_len - (lo + last * BLOCK_N), BLOCK_N, HEAD_DIM, 4)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    _wait_turn(turn, n_tiles, WG)
+    acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+    mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP),
+             out.to(Out.dtype.element_ty), mask=(out_rows < q_len * GROUP)[:, None])
+
+
+@gluon.jit
+def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
+                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr):
+    """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp."""
+    # Causal row tiles further down see more keys: launch those first so the short ones fill the tail.
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = gl.program_id(2)
+    q_start = gl.load(CuSeqlensQ + seq)
+    q_len = gl.load(CuSeqlensQ + seq + 1) - q_start
+    if pid_m * BLOCK_M >= q_len * GROUP:  # a row tile past this sequence's queries
+        return
+    if PAGED:
+        k_start = 0
+        k_len = gl.load(SeqLensK + seq)
+    else:
+        k_start = gl.load(CuSeqlensK + seq)
+        k_len = gl.load(CuSeqlensK + seq + 1) - k_start
+
+    # The keys any row of this program can see: [lo, hi) (both consumers walk all of it).
+    first_pos = k_len - q_len + (pid_m * BLOCK_M) // GROUP
+    last_pos = gl.minimum(k_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, k_len - 1)
+    lo = 0
+    hi = k_len
+    if CAUSAL:
+        hi = gl.minimum(hi, last_pos + 1)
+    if window_right >= 0:
+        hi = gl.minimum(hi, last_pos + window_right + 1)
+    lo_key = 0
+    if window_left >= 0:
+        lo_key = gl.maximum(0, first_pos - window_left)
+        lo = (lo_key // BLOCK_N) * BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
+
+    ROWS: gl.constexpr = BLOCK_M // 2
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # one arrival from each consumer
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+
+    row0 = pid_m * BLOCK_M
+    # every partition takes the same arguments (a worker's signature must match the others'), written out:
+    # constexprs inside a tuple built here would turn into values
+    gl.warp_specialize([
+        (_attend_rows, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
+                        turns.index(1), k_desc, v_desc,
+                        BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles,
+                        sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                        stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
+        (_attend_rows, (Q, Out, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
+                        turns.index(0), k_desc, v_desc,
+                        BlockTable, seq, row0 + ROWS, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key,
+                        n_tiles, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
+                        stride_oh, stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 1)),
+        (_load_kv, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
+                    turns.index(1), k_desc, v_desc,
+                    BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles,
+                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, consumer registers per thread, STAGES): two consumer warpgroups of 64 rows; the K/V
+    ring fills what shared memory the Q tile leaves."""
+    return (128, 128, 240, 3) if head_dim == 128 else (128, 128, 240, 4)
+
+
+@functools.lru_cache
+def _sm90(device: torch.device) -> bool:
+    """A Hopper GPU (wgmma and setmaxnreg are sm_90a's). Cached: it is asked on every prefill launch."""
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int | None) -> bool:
+    """Whether this kernel takes a prefill of these tensors (q [tokens, Hq, D]; k/v [tokens, Hkv, D], or paged
+    caches [blocks, page, Hkv, D]): a Hopper GPU, 16-bit values alike, head dim 64 or 128, K/V heads in contiguous
+    rows the copy engine can read (16-byte aligned), pages of 16 keys or more."""
+    dim = q.shape[-1]
+    if q.device.type != "cuda" or not _sm90(q.device):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if dim not in (64, 128) or (page_size is not None and page_size < 16):
+        return False
+    return q.stride(-1) == 1 and all(t.stride(-1) == 1 and t.stride(-2) == dim and t.data_ptr() % 16 == 0
+                                     and (t.stride(-3) * t.element_size()) % 16 == 0
+                                     and (t.dim() == 3 or t.stride(0) == t.shape[1] * t.stride(1)) for t in (k, v))
+
+
+def _rows(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Shape and strides of t [..., tokens or page slots, H, D] seen as rows of tokens: [tokens, H * D]."""
+    return [t.numel() // (t.shape[-2] * t.shape[-1]), t.shape[-2] * t.shape[-1]], [t.stride(-3), 1]
+
+
+def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, *, causal,
+            sm_scale_log2, window_size, tiles=None):
+    """Attention of q [total_q, Hq, D] over k/v: packed [total_k, Hkv, D] with cu_seqlens_k, or paged caches
+    [blocks, page, Hkv, D] with seq_lens_k and block_table. Writes `out` [total_q, Hq, D]; `serves` must hold."""
+    total_q, hq, dim = q.shape
+    paged = block_table is not None
+    hkv = k.shape[-2]
+    batch = cu_seqlens_q.numel() - 1
+    if total_q == 0 or batch == 0:
+        return out
+    block_m, block_n, regs, stages = tiles or default_tiles(dim)
+    # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of 24
+    maxnreg = (2 * regs + 24) // 3 // 8 * 8
+    page = k.shape[1] if paged else block_n
+    if paged and page < block_n and block_n % page:
+        raise ValueError(f"a key tile of {block_n} must hold whole pages of {page}")
+    kv_rows = min(page, block_n)
+    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gdtype)
+    k_desc, v_desc = (TensorDescriptor(t, *_rows(t), [kv_rows, dim], layout) for t in (k, v))
+    unused = cu_seqlens_q
+    grid = (triton.cdiv(max_seqlen_q * (hq // hkv), block_m), hkv, batch)
+    _prefill_kernel[grid](
+        q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
+        seq_lens_k if paged else unused, block_table if paged else unused, sm_scale_log2, window_size[0],
+        window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0) if paged else 0,
+        GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PAGED=paged,
+        PAGE_SIZE=page, CAUSAL=causal, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
+    return out

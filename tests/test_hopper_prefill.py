@@ -1,0 +1,110 @@
+"""The prefill attention as the engine calls it on a Hopper GPU (there, the Gluon kernel of
+`flashpage.kernels.hopper_prefill`; head dims it does not take go to the portable kernel, checked here too).
+
+FlashAttention's acceptance rule: the largest error against a float32 reference is at most twice that of the same
+math done in the inputs' 16-bit dtype. Runs only on a CUDA GPU of compute capability 9.0; on CPU the Gluon kernel
+is compiled for sm_90 by tests/compile_for_hopper.py instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashpage.kernels import hopper_prefill
+from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
+from flashpage.kv import KVCache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="the Hopper prefill runs on an sm_90 GPU")
+
+
+def reference(q, k, v, causal, window, dtype):
+    """One sequence, its queries the last q_len of its keys: q [ql, Hq, D], k/v [kl, Hkv, D], in `dtype` math."""
+    ql, hq, dim = q.shape
+    kl, hkv = k.shape[:2]
+    out = torch.zeros(ql, hq, dim, device=q.device)
+    if ql == 0:
+        return out
+    q_pos = torch.arange(kl - ql, kl, device=q.device)[:, None]
+    k_pos = torch.arange(kl, device=q.device)[None, :]
+    visible = torch.ones(ql, kl, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= k_pos <= q_pos
+    if window[0] >= 0:
+        visible &= k_pos >= q_pos - window[0]
+    if window[1] >= 0:
+        visible &= k_pos <= q_pos + window[1]
+    for h in range(0, hq, 4):  # a few heads at a time: a 32k x 32k float32 score matrix per head
+        heads = list(range(h, min(h + 4, hq)))
+        kv = [i * hkv // hq for i in heads]
+        qq, kk, vv = (x.to(dtype).transpose(0, 1) for x in (q[:, heads], k[:, kv], v[:, kv]))
+        s = (qq @ kk.transpose(1, 2) * dim**-0.5).masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        out[:, heads] = (p.to(dtype) @ vv).float().transpose(0, 1)
+    return out
+
+
+def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=None, dtype=torch.bfloat16):
+    torch.manual_seed(len(q_lens) * 1000 + sum(k_lens) + dim + hq + (page or 0))
+    qs = [torch.randn(n, hq, dim, device="cuda", dtype=dtype) for n in q_lens]
+    ks = [torch.randn(n, hkv, dim, device="cuda", dtype=dtype) for n in k_lens]
+    vs = [torch.randn(n, hkv, dim, device="cuda", dtype=dtype) for n in k_lens]
+    q = torch.cat(qs)
+    cu_q = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+    if page is None:
+        k, v = torch.cat(ks), torch.cat(vs)
+        cu_k = torch.tensor([0] + k_lens, device="cuda").cumsum(0).int()
+        served = hopper_prefill.serves(q, k, v, None)
+        flash_attn_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, window_size=window, out=out)
+    else:  # each sequence's pages shuffled through a cache whose other slots hold NaN
+        pages = [-(-n // page) for n in k_lens]
+        k_cache = torch.full((sum(pages) + 3, page, hkv, dim), float("nan"), device="cuda", dtype=dtype)
+        v_cache = k_cache.clone()
+        order = torch.randperm(k_cache.shape[0], device="cuda")
+        # as wide as the longest sequence needs, and -1 past each one's pages: a tile's pages past the end must
+        # not be read from the table
+        table = torch.full((len(k_lens), max(pages)), -1, dtype=torch.int32, device="cuda")
+        used = 0
+        for i, n in enumerate(k_lens):
+            blocks = order[used:used + pages[i]]
+            used += pages[i]
+            table[i, :pages[i]] = blocks
+            for j, b in enumerate(blocks.tolist()):
+                rows = slice(j * page, min((j + 1) * page, n))
+                k_cache[b, :rows.stop - rows.start] = ks[i][rows]
+                v_cache[b, :rows.stop - rows.start] = vs[i][rows]
+        served = hopper_prefill.serves(q, k_cache, v_cache, page)
+        paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, torch.tensor(k_lens, device="cuda").int(),
+                        max(q_lens), causal=causal, window_size=window, out=out)
+    ref = torch.cat([reference(qs[i], ks[i], vs[i], causal, window, torch.float32) for i in range(len(q_lens))])
+    low = torch.cat([reference(qs[i], ks[i], vs[i], causal, window, dtype) for i in range(len(q_lens))])
+    assert not out.isnan().any()
+    err, bound = (out.float() - ref).abs().max().item(), (low - ref).abs().max().item()
+    assert err <= 2 * bound, f"max error {err:.3g} against float32; the same math in {dtype}: {bound:.3g}"
+    return served
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (28, 4), (32, 4), (16, 1)])  # GQA 1, 4, 7, 8, 16
+def test_varlen_and_paged_prefill(dim, hq, hkv):
+    served = check([1, 17, 300, 1000], [1, 17, 300, 1000], hq, hkv, dim)
+    assert served == (dim in (64, 128))  # other head dims take the portable kernel
+    for page in (16, 64):  # chunks at the end of their sequences, a sequence with no query in the batch
+        check([0, 1000, 700, 17, 1], [40, 1000, 3000, 17, 33], hq, hkv, dim, page=page)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_windows_and_non_causal(dim):
+    check([1, 17, 300, 1000], [1, 17, 300, 1000], 32, 8, dim, window=(64, 0))
+    check([5, 300, 700], [5, 300, 700], 32, 8, dim, causal=False)
+    check([5, 300, 700], [5, 300, 700], 32, 8, dim, causal=False, window=(100, 30))
+    check([0, 500, 129], [40, 1500, 129], 28, 4, dim, window=(200, 0), page=16)
+
+
+def test_fp16_and_long_sequences():
+    check([1, 300, 1000], [1, 300, 1000], 32, 8, 128, dtype=torch.float16)
+    check([1, 300, 1000], [10, 800, 1000], 32, 8, 64, page=16, dtype=torch.float16)
+    assert check([16384], [16384], 32, 8, 128)
+    assert check([8192], [32768], 32, 8, 128, page=16)
