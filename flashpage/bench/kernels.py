@@ -2,11 +2,16 @@
 
     python -m flashpage.bench.kernels [--out DIR] [--sweep] [--kv-cache-dtype fp8|int8] [--sparse | --only-sparse]
 
-Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens.
+Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens;
+and paged prefill, a chunk of queries at the end of a sequence in a paged cache (block size 16, shuffled blocks),
+as the engine computes every prompt. flashpage's own rows are the kernel the engine dispatches to (on Hopper the
+Gluon kernel, `flashpage.kernels.hopper_prefill`) and, beside it, the portable Triton kernel.
 Decode: paged cache (block size 16, shuffled blocks; also timed with each sequence's blocks in order) for
 B x context; SDPA reads a contiguous cache of the same size. Prints ms, TFLOP/s or TB/s, the ratio to the best
-SDPA backend and the fraction of the measured ceiling; for decode also how long merely reading the same pages
+peer and the fraction of the measured ceiling; for decode also how long merely reading the same pages
 takes (the copy engine fetching each page's tile for one KV head, as the decode does, with no attention).
+Peers: torch SDPA's backends and, when importable, FlashInfer (`flashpage.bench.flashinfer_peer`: prefill with
+its FA3 and FA2 backends, decode with tensor cores), its outputs compared with ours.
 `--kv-cache-dtype` also times decode over an FP8 or INT8 cache (the engine's scales) against the bf16 one, with the
 rate counted on the bytes it reads. `--sparse` also times SparQ decode against the dense decode
 (`flashpage.bench.sparse`).
@@ -27,6 +32,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashpage.bench import flashinfer_peer
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
@@ -36,6 +42,7 @@ from flashpage.kv import KV_CACHE_DTYPES, KVCache
 HQ, HKV, D = 32, 8, 128
 PREFILL_TOKENS = 16384
 PREFILL_S = [1024, 2048, 4096, 8192, 16384]
+PAGED_PREFILL = [(8192, 32768), (8192, 8192), (2048, 4096)]  # (queries, keys): a chunk at the end of its sequence
 DECODE = [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]
 BLOCK = 16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -87,18 +94,68 @@ def page_read_ms(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tens
                for n in (16, 64, 256) if pages.numel() % n == 0)
 
 
+def flashinfer_times(fns: dict, ours: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
+    """Time each FlashInfer call in `fns` (name -> a function that plans and returns the call); and how far its
+    output lies from ours, ‖theirs - ours‖ / ‖ours‖. Empty when FlashInfer is not importable."""
+    times, diffs = {}, {}
+    if not flashinfer_peer.available():
+        return times, diffs
+    for name, plan in fns.items():
+        try:
+            run = plan()
+            theirs = run()
+        except Exception as e:  # noqa: BLE001 - a backend that refuses this GPU or shape is left out, and said so
+            print(f"  {name}: not run ({type(e).__name__}: {str(e)[:120]})", flush=True)
+            continue
+        times[name] = median_ms(run)
+        diffs[name] = ((theirs.float() - ours.float()).norm() / ours.float().norm()).item()
+    return times, diffs
+
+
+def causal_flops(q_len: int, k_len: int) -> float:
+    """Q Kᵀ and P V of q_len queries at the end of k_len keys, each seeing the keys up to its own position."""
+    pairs = q_len * (k_len - q_len) + q_len * (q_len + 1) / 2
+    return 4 * HQ * D * pairs
+
+
 def bench_prefill(seq_len: int, tiles=None) -> dict:
     batch = PREFILL_TOKENS // seq_len
     q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     cu = torch.arange(0, PREFILL_TOKENS + 1, seq_len, device="cuda", dtype=torch.int32)
-    ours = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, tiles=tiles))
+    out = torch.empty_like(q)
+    ours = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, tiles=tiles, out=out))
+    portable = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True,
+                                                   tiles=tiles or attn._tiles(D, seq_len, HQ // HKV, False, 1)))
     to_bhsd = lambda x: x.view(batch, seq_len, -1, D).transpose(1, 2)  # noqa: E731
     peers = sdpa_times(to_bhsd(q), to_bhsd(k), to_bhsd(v), causal=True)
-    flops = 4 * batch * HQ * seq_len * seq_len * D / 2  # two matmuls, half the square (causal)
+    fi, diffs = flashinfer_times({f"flashinfer-{b}": lambda b=b: flashinfer_peer.ragged_prefill(q, k, v, cu, b)
+                                  for b in ("fa3", "fa2")}, out)
+    flops = batch * causal_flops(seq_len, seq_len)
     return {"kind": "prefill", "shape": f"S={seq_len} (B={batch})", "ms": ours, "rate": flops / ours / 1e9,
-            "unit": "TFLOP/s", "peers_ms": peers}
+            "unit": "TFLOP/s", "peers_ms": peers | fi, "portable_ms": portable, "peer_output_diff": diffs}
+
+
+def bench_paged_prefill(q_len: int, k_len: int) -> dict:
+    """q_len queries at the end of one k_len-token sequence in a paged cache, its blocks shuffled."""
+    blocks = k_len // BLOCK
+    k_cache = torch.randn(blocks + 7, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(blocks + 7, device="cuda")[:blocks].to(torch.int32).view(1, blocks)
+    q = torch.randn(q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
+    lens = torch.tensor([k_len], device="cuda", dtype=torch.int32)
+    cache, out = KVCache(k_cache, v_cache), torch.empty_like(q)
+    ours = median_ms(lambda: paged_attention(q, cache, table, cu, lens, q_len, out=out))
+    portable = median_ms(lambda: paged_attention(q, cache, table, cu, lens, q_len,
+                                                 tiles=attn._tiles(D, q_len, HQ // HKV, False, BLOCK)))
+    fi, diffs = flashinfer_times({f"flashinfer-{b}": lambda b=b: flashinfer_peer.paged_prefill(
+        q, k_cache, v_cache, table, cu, lens, b) for b in ("fa3", "fa2")}, out)
+    flops = causal_flops(q_len, k_len)
+    return {"kind": "paged prefill", "shape": f"{q_len // 1024}k of {k_len // 1024}k", "ms": ours,
+            "rate": flops / ours / 1e9, "unit": "TFLOP/s", "peers_ms": fi, "portable_ms": portable,
+            "peer_output_diff": diffs}
 
 
 def quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype: str) -> KVCache:
@@ -139,7 +196,9 @@ def bench_decode(batch: int, context: int, tiles=None, num_splits=None, kv_cache
     ours_in_order = median_ms(lambda: paged_attention(q, cache, in_order, cu, lens, 1, num_splits=splits, tiles=tiles))
     kc = torch.randn(batch, HKV, context, D, device="cuda", dtype=torch.bfloat16)
     peers = sdpa_times(q[:, :, None, :], kc, torch.randn_like(kc), causal=False)
-    return r | {"peers_ms": peers, "ms_blocks_in_order": ours_in_order,
+    out = paged_attention(q, cache, table, cu, lens, 1, num_splits=splits)
+    fi, diffs = flashinfer_times({"flashinfer": lambda: flashinfer_peer.decode(q, k_cache, v_cache, table, lens)}, out)
+    return r | {"peers_ms": peers | fi, "peer_output_diff": diffs, "ms_blocks_in_order": ours_in_order,
                 "ms_page_read": page_read_ms(k_cache, v_cache, table),
                 "ms_page_read_in_order": page_read_ms(k_cache, v_cache, in_order)}
 
@@ -194,17 +253,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{gpu}: copy {bw:.2f} TB/s (read+write), bf16 matmul {mm:.0f} TFLOP/s", flush=True)
     if args.sweep:
         sweep(args.kv_cache_dtype)
-    rows = [] if args.only_sparse else [bench_prefill(s) for s in PREFILL_S] + [bench_decode(b, c) for b, c in DECODE]
-    print(f"\n{'kernel':8s} {'shape':18s} {'ms':>8s} {'rate':>14s} {'of ceiling':>10s} {'best SDPA':>22s} {'speedup':>8s}")
+    rows = [] if args.only_sparse else ([bench_prefill(s) for s in PREFILL_S] +
+                                        [bench_paged_prefill(q, k) for q, k in PAGED_PREFILL] +
+                                        [bench_decode(b, c) for b, c in DECODE])
+    print(f"\n{'kernel':13s} {'shape':14s} {'ms':>8s} {'rate':>14s} {'of ceiling':>10s} {'best peer':>22s} {'speedup':>8s}")
     for r in rows:
-        ceiling = mm if r["kind"] == "prefill" else bw
+        ceiling = bw if r["kind"] == "decode" else mm
         best_name, best_ms = min(r["peers_ms"].items(), key=lambda kv: kv[1]) if r["peers_ms"] else ("none", float("nan"))
         r["fraction_of_ceiling"] = r["rate"] / ceiling
-        r["best_sdpa"] = best_name
-        r["speedup_vs_best_sdpa"] = best_ms / r["ms"]
-        print(f"{r['kind']:8s} {r['shape']:18s} {r['ms']:8.3f} {r['rate']:8.2f} {r['unit']:7s} {r['fraction_of_ceiling']:9.0%}"
-              f" {best_name:>13s} {best_ms:7.3f} {r['speedup_vs_best_sdpa']:7.2f}x")
-    print(f"\n{'decode':14s} {'blocks':9s} {'read pages':>10s} {'flashpage':>10s} {'of read':>8s} {'best SDPA':>10s}"
+        r["best_peer"] = best_name
+        r["speedup_vs_best_peer"] = best_ms / r["ms"]
+        print(f"{r['kind']:13s} {r['shape']:14s} {r['ms']:8.3f} {r['rate']:8.2f} {r['unit']:7s} {r['fraction_of_ceiling']:9.0%}"
+              f" {best_name:>13s} {best_ms:7.3f} {r['speedup_vs_best_peer']:7.2f}x")
+    names = ["cudnn", "flashinfer-fa3", "flashinfer-fa2"]
+    print(f"\n{'prefill':13s} {'shape':14s} {'TFLOP/s':>8s}   peer ms / flashpage ms (above 1: flashpage is faster)")
+    print(f"{'':13s} {'':14s} {'':8s} {'portable':>10s}" + "".join(f"{n:>16s}" for n in names))
+    for r in (r for r in rows if r["kind"] != "decode"):
+        ratios = "".join(f"{r['peers_ms'][n] / r['ms']:15.2f}x" if n in r["peers_ms"] else f"{'-':>16s}" for n in names)
+        print(f"{r['kind']:13s} {r['shape']:14s} {r['rate']:8.0f} {r['portable_ms'] / r['ms']:9.2f}x{ratios}")
+    for r in (r for r in rows if r.get("peer_output_diff")):
+        print(f"{r['kind']} {r['shape']}: " + ", ".join(f"{n} output differs from ours by {d:.1e} (relative)"
+                                                      for n, d in r["peer_output_diff"].items()))
+    print(f"\n{'decode':14s} {'blocks':9s} {'read pages':>10s} {'flashpage':>10s} {'of read':>8s} {'best peer':>10s}"
           f" {'vs flashpage':>12s}")
     for r in (r for r in rows if r["kind"] == "decode"):
         best_ms = min(r["peers_ms"].values())
@@ -248,7 +318,7 @@ def plot(rows: list[dict], gpu: str, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("prefill", "decode")):
-        sel = [r for r in rows if r["kind"] == kind and r.get("kv_cache_dtype", "auto") == "auto"]
+        sel = [r for r in rows if r["kind"].endswith(kind) and r.get("kv_cache_dtype", "auto") == "auto"]
         names = ["flashpage"] + sorted({n for r in sel for n in r["peers_ms"]})
         width = 0.8 / len(names)
         for i, name in enumerate(names):

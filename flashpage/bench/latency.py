@@ -2,6 +2,8 @@
 
 On random ("dummy") weights of a real shape (llama-3-8b bf16 by default), in one process:
 1. engine start to first token (load, KV cache, CUDA graph capture, one request);
+   and the first-token time of the timed prompts beside its floor: their prefill's FLOP over the measured bf16
+   matmul rate (e.g. `--model llama-3.1-8b --input-len 32768 --output-len 2 --skip gpt-fast,transformers,check`);
 2. the device's copy bandwidth, hence the weight-streaming floor: weight bytes / copy rate per decode step, and
    the time of the step's matrix products alone (cuBLAS, one CUDA graph): what the rest of the step adds;
 3. flashpage: per-token decode time of `--batch-size` prompts of `--input-len` random tokens;
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from flashpage.bench.common import copy_bandwidth_tbs, median_ms
+from flashpage.bench.common import copy_bandwidth_tbs, layer_matrix_params, matmul_tflops, median_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,18 +83,24 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = torch.randint(vocab, (args.batch_size, args.input_len), generator=gen)
 
-    def timed_generate(max_tokens):
+    def timed_generate(max_tokens, batch=prompts):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": r} for r in batch.tolist()], params, use_tqdm=False)
         return time.perf_counter() - start, outs
 
     timed_generate(args.output_len)  # warm-up
+    # per token: a run of output_len tokens less a run of one, both over the same (by now cached) prompts
     prefill_s = statistics.median(timed_generate(1)[0] for _ in range(args.repeats))
     total_s = statistics.median(timed_generate(args.output_len)[0] for _ in range(args.repeats))
     results["flashpage_ms_per_token"] = (total_s - prefill_s) / (args.output_len - 1) * 1e3
-    results["flashpage_ttft_ms"] = prefill_s * 1e3
+    # first token: prompts no earlier run has seen (a repeated prompt is a prefix-cache hit)
+    results["flashpage_ttft_ms"] = 1e3 * statistics.median(
+        timed_generate(1, torch.randint(vocab, prompts.shape, generator=gen))[0] for _ in range(args.repeats))
+    results["prefill_tflop"] = prefill_flops(llm.config, args.batch_size, args.input_len) / 1e12
+    results["matmul_tflops"] = matmul_tflops()
+    results["prefill_floor_ms"] = results["prefill_tflop"] / results["matmul_tflops"] * 1e3 / tp
     if args.speculative_config:
         results["speculative_config"] = args.speculative_config
         results["spec"] = {k: v for k, v in llm.stats().items() if k.startswith("spec_")}
@@ -137,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def prefill_flops(config, batch: int, prompt_len: int) -> float:
+    """The arithmetic of `batch` prompts' prefill: every layer matrix once per token (2 FLOP per parameter), the
+    LM head for each prompt's last token, and causal attention (Q Kᵀ and P V over the prompt's half square)."""
+    matrices = 2 * layer_matrix_params(config) * prompt_len + 2 * config.vocab_size * config.hidden_size
+    attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * prompt_len * (prompt_len + 1) / 2
+    return batch * (matrices + attention)
 
 
 def matmuls_ms(model, batch: int) -> float:
@@ -225,6 +241,10 @@ def report(r: dict) -> None:
     if "matmuls_only_ms" in r:
         print(f"the step's matrix products alone (cuBLAS, one graph): {r['matmuls_only_ms']:.2f} ms = "
               f"{floor / r['matmuls_only_ms']:.1%} of floor")
+    if "prefill_floor_ms" in r:
+        print(f"first token: {r['flashpage_ttft_ms']:.1f} ms for {r['batch_size']} x {r['input_len']} prompt tokens "
+              f"({r['prefill_tflop']:.1f} TFLOP); floor at the measured bf16 matmul rate ({r['matmul_tflops']:.0f} "
+              f"TFLOP/s) {r['prefill_floor_ms']:.1f} ms = {r['prefill_floor_ms'] / r['flashpage_ttft_ms']:.1%} of it")
     print(f"{'system':<28}{'ms/token':>10}{'tok/s':>10}{'floor/ms':>10}{'flashpage x':>13}")
     ours = r["flashpage_ms_per_token"]
     for name, key in [("flashpage", "flashpage_ms_per_token"), ("gpt-fast style (compiled)", "gpt_fast_ms_per_token"),
