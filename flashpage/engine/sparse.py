@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashpage.errors import ParameterError
+from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
 
 METHODS = {"sparq": ("r", "k", "prompt"), "block": ("block", "sink", "local", "stride")}
@@ -42,26 +42,14 @@ class SparseAttentionConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> SparseAttentionConfig:
-        def bad(key, why):
-            raise ParameterError(f"sparse_attention.{key}", f"sparse_attention: {key} {why}")
-
-        if not isinstance(d, dict):
-            raise ParameterError("sparse_attention", f"sparse_attention must be a dict, got {d!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            bad(unknown[0], f"is not a known key (known: {', '.join(sorted(known))})")
+        setting = DictSetting("sparse_attention", d, [f.name for f in dataclasses.fields(cls)])
+        bad, integer = setting.bad, setting.integer
         method = d.get("method")
         if method not in METHODS:
             bad("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
         other = sorted(set(d) - {"method", *METHODS[method]})
         if other:
             bad(other[0], f"does not apply to method {method} (its keys: {', '.join(METHODS[method])})")
-
-        def integer(key, low, default=None):
-            v = d.get(key, default)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                bad(key, f"must be an integer >= {low}, got {v!r}")
 
         if method == "sparq":
             integer("r", 1)

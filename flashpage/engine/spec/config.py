@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from flashpage.errors import ParameterError
+from flashpage.errors import DictSetting
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 
 METHODS = ("ngram", "draft_model")
@@ -31,15 +31,7 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict) -> SpeculativeConfig:
         """vLLM's keys; `method` may be left out when `model` is given (a draft model), and "[ngram]" (vLLM's
         older spelling) is accepted. Raises ParameterError naming the key."""
-        def bad(key, why):
-            raise ParameterError(f"speculative_config.{key}", f"speculative_config: {key} {why}")
-
-        if not isinstance(d, dict):
-            raise ParameterError("speculative_config", f"speculative_config must be a dict, got {d!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            bad(unknown[0], f"is not a known key (known: {', '.join(sorted(known))})")
+        bad = DictSetting("speculative_config", d, [f.name for f in dataclasses.fields(cls)]).bad
         d = dict(d)
         method = d.get("method") or ("draft_model" if d.get("model") not in (None, "[ngram]") else "ngram")
         d["method"] = "ngram" if method == "[ngram]" else method
