@@ -20,6 +20,7 @@ from test_engine import mixed_workload, run, tiny_engine
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 NGRAM_TREE = {**NGRAM, "tree_width": 3}  # several matches' continuations merged into a token tree
+LOOKAHEAD = {"method": "lookahead", "window_size": 4, "ngram_size": 3, "guess_set_size": 3}
 
 
 def test_prompt_lookup_proposes_what_followed_the_longest_latest_match():
@@ -40,6 +41,33 @@ def test_prompt_lookup_tree_merges_the_latest_distinct_continuations():
     assert propose_ngram_tree([1, 2, 3], 2, 1, 2, 2) == ([], [])
 
 
+def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_the_pool():
+    """W = 3, N = 4, G = 2: the pool's n-grams for the last token, then level 0 as a chain from the last token and
+    each column's levels 1 and 2 above its level-0 token (column 0: above the last token itself)."""
+    from types import SimpleNamespace
+
+    from flashpage.engine.spec.lookahead import LookaheadProposer
+
+    spec = SimpleNamespace(window_size=3, ngram_size=4, guess_set_size=2)
+    proposer = LookaheadProposer(spec)
+    seq = SimpleNamespace(seq_id=7, num_uncomputed=1, num_pending=0, token_ids=[5, 6, 9], proposal=[],
+                          proposal_parents=None)
+    proposer.levels[7] = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    proposer.pools[7] = {9: [(1, 2, 3), (1, 4, 5)], 6: [(8, 8, 8)]}
+    proposer.propose([seq])
+    assert seq.proposal == [1, 2, 3, 4, 5, 11, 12, 20, 30, 21, 31, 22, 32]
+    assert seq.proposal_parents == [-1, 0, 1, 0, 3, -1, 5, -1, 7, 5, 9, 6, 11]
+    drawn = [100 + i for i in range(len(seq.proposal) + 1)]  # drawn[i + 1]: the token drawn after node i
+    proposer.observe(seq, drawn, emitted=1)
+    assert proposer.levels[7] == [[20, 21, 22], [30, 31, 32], [109, 111, 113]]  # the last level's draws on top
+    assert proposer.pools[7][10] == [(20, 30, 109)] and proposer.pools[7][11] == [(21, 31, 111)]
+    assert proposer.pools[7][12] == [(22, 32, 113)]
+    proposer.observe(seq, drawn, emitted=1)  # nothing proposed since: nothing learnt
+    assert proposer.levels[7][2] == [109, 111, 113]
+    proposer.release(7)
+    assert 7 not in proposer.levels and 7 not in proposer.pools
+
+
 @pytest.mark.parametrize("bad,match", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
@@ -51,6 +79,10 @@ def test_prompt_lookup_tree_merges_the_latest_distinct_continuations():
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 16, "tree_width": 4}, "tree_width must be an integer >= 1 with"),
     ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to method ngram only"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "window_size": 3}, "window_size applies to method lookahead"),
+    ({"method": "lookahead", "ngram_size": 2}, "ngram_size must be an integer >= 3"),
+    ({"method": "lookahead", "num_speculative_tokens": 4}, "is set by lookahead itself"),
+    ({"method": "lookahead", "window_size": 8, "ngram_size": 5, "guess_set_size": 9}, "tree nodes must be fewer"),
 ])
 def test_bad_speculative_config_is_one_clear_error(bad, match):
     with pytest.raises(ParameterError, match=match):
@@ -148,7 +180,7 @@ def greedy_texts(llm):
     return [tok.encode(p) for p in prompts]
 
 
-@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE, "self-draft"])
+@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE, LOOKAHEAD, "self-draft"])
 def test_speculation_is_token_identical_on_smollm_with_chunks_preemption_and_prefix_hits(smollm_llm, smollm_gguf,
                                                                                         speculative_config):
     """Greedy decoding with proposals = without, in a batch with chunked prefill, a cache too small (preemption)
@@ -169,7 +201,7 @@ def test_speculation_is_token_identical_on_smollm_with_chunks_preemption_and_pre
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert stats["spec_num_accepted_tokens"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    if speculative_config.get("tree_width", 1) > 1:
+    if speculative_config.get("tree_width", 1) > 1 or speculative_config.get("method") == "lookahead":
         assert trees[0] > 0  # some steps verified a tree, not a chain
     if "model" in speculative_config:
         assert stats["spec_acceptance_rate"] == 1.0
@@ -187,8 +219,8 @@ def count_trees(engine) -> list[int]:
     return count
 
 
-@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE])
-def test_prompt_lookup_keeps_seeded_sampling_token_identical(speculative_config):
+@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE, LOOKAHEAD])
+def test_point_mass_proposals_keep_seeded_sampling_token_identical(speculative_config):
     """Verifying a point-mass proposal by the draw that decoding would make anyway (same seed, same position) is
     the rejection sampler for that proposal, and keeps every sampled, seeded, penalised or filtered token as it
     would be without speculation."""

@@ -293,6 +293,8 @@ class LLMEngine:
             drawn = list(drawn)
             if seq.verifying_parents:  # a tree: from its root, go down to the child holding the token drawn
                 proposal, kept = seq.verifying, walk_tree(seq.verifying, seq.verifying_parents, drawn)
+                if hasattr(self.proposer, "observe"):
+                    self.proposer.observe(seq, [t.token_id for t in drawn], len(kept) + 1)
                 self.spec_stats.record(len(proposal), len(kept))
                 self.scheduler.accept(seq, len(kept), kept)
                 drawn = [drawn[0]] + [drawn[i + 1] for i in kept]

@@ -1,4 +1,5 @@
-"""Speculative decoding: proposers (prompt lookup, a draft model) whose tokens one target step verifies.
+"""Speculative decoding: proposers (prompt lookup, a draft model, lookahead decoding) whose tokens one target step
+verifies.
 
 A proposer sets `seq.proposal` for decoding sequences before the step is scheduled; the scheduler computes those
 tokens with the sequence's last one, and the engine keeps the verified prefix (engine/llm_engine.py)."""
@@ -11,9 +12,13 @@ from flashpage.engine.spec.stats import SpecStats
 def make_proposer(spec: SpeculativeConfig, cfg, runner, draft=None):
     """The proposer of `spec.method` for an engine with config `cfg`, target `runner` and (draft_model) the draft's
     loaded weights. A proposer's `propose(running)` sets `proposal` on the decoding sequences it can serve; `probs`
-    is what the target's step needs of it (a draft's q rows, or None), and `release(seq_id)` forgets a sequence."""
+    is what the target's step needs of it (a draft's q rows, or None), and `release(seq_id)` forgets a sequence.
+    One that learns from what a verified token tree drew at every node has `observe(seq, drawn, emitted)`."""
     if spec.method == "ngram":
         return NgramProposer(spec)
+    if spec.method == "lookahead":
+        from flashpage.engine.spec.lookahead import LookaheadProposer
+        return LookaheadProposer(spec)
     from flashpage.engine.spec.draft import DraftProposer
     return DraftProposer(spec, cfg, runner, draft)
 

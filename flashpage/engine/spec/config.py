@@ -8,20 +8,26 @@ from dataclasses import dataclass
 from flashpage.errors import DictSetting
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "lookahead")
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify step costs more than the tokens it can win (docs/spec.md)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram": prompt lookup; "draft_model": a smaller model with the target's vocabulary
-    num_speculative_tokens: int  # k: tokens proposed per sequence and step
+    method: str  # "ngram": prompt lookup; "draft_model": a smaller model with the target's vocabulary;
+    # "lookahead": lookahead decoding (Jacobi guesses and their n-grams, engine/spec/lookahead.py)
+    num_speculative_tokens: int  # k: tokens proposed per sequence and step (lookahead: its tree's depth, set for it)
     model: str | None = None  # the draft (a directory, .gguf file or known name); draft_model only
     prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence to look up
     prompt_lookup_max: int = 4  # ngram: longest (the longest match found wins)
     # ngram: up to this many distinct continuations (the latest matches of the longest suffix that has any),
     # merged into one token tree verified in one step (SpecInfer); 1: one chain
     tree_width: int = 1
+    # lookahead: the window W (guesses per level), the n-gram size N (N - 1 levels) and the guess set G (n-grams
+    # verified per step at most); a step's tree has (W - 1) + W (N - 2) + G (N - 1) nodes
+    window_size: int = 5
+    ngram_size: int = 4
+    guess_set_size: int = 5
     # No proposals in a step with more running sequences than this (None: always propose). A large batch is
     # compute-bound: verifying there costs about what it wins (H100, llama-3-8b: at a third of proposals accepted,
     # 1.19x at 32 sequences, 0.89x at 64; docs/spec.md).
@@ -31,12 +37,26 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict) -> SpeculativeConfig:
         """vLLM's keys; `method` may be left out when `model` is given (a draft model), and "[ngram]" (vLLM's
         older spelling) is accepted. Raises ParameterError naming the key."""
-        bad = DictSetting("speculative_config", d, [f.name for f in dataclasses.fields(cls)]).bad
+        setting = DictSetting("speculative_config", d, [f.name for f in dataclasses.fields(cls)])
+        bad = setting.bad
         d = dict(d)
         method = d.get("method") or ("draft_model" if d.get("model") not in (None, "[ngram]") else "ngram")
         d["method"] = "ngram" if method == "[ngram]" else method
         if d["method"] not in METHODS:
             bad("method", f"must be one of {', '.join(METHODS)}, got {method!r}")
+        lookahead_keys = ("window_size", "ngram_size", "guess_set_size")
+        if d["method"] == "lookahead":
+            for key, low in zip(lookahead_keys, (1, 3, 1)):
+                setting.integer(key, low, getattr(cls, key))
+            w, n, g = (d.get(key, getattr(cls, key)) for key in lookahead_keys)
+            if (w - 1) + w * (n - 2) + g * (n - 1) >= MAX_TREE_TOKENS:
+                bad("window_size", f"W - 1 + W (N - 2) + G (N - 1) tree nodes must be fewer than {MAX_TREE_TOKENS}"
+                                   f" (a tree and the token before it), got W={w}, N={n}, G={g}")
+            if "num_speculative_tokens" in d:
+                bad("num_speculative_tokens", "is set by lookahead itself (its tree's depth): leave it out")
+            d["num_speculative_tokens"] = max(n - 1, w + n - 3)
+        elif any(key in d for key in lookahead_keys):
+            bad(next(key for key in lookahead_keys if key in d), "applies to method lookahead only")
         k = d.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             bad("num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
