@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import random
 
+from flashpage.engine.spec.ngram import trie
+
 
 class LookaheadProposer:
     probs = None  # proposals are point masses, verified by the draws decoding would make
@@ -40,16 +42,7 @@ class LookaheadProposer:
                 levels = self.levels[seq.seq_id] = [[rng.choice(seq.token_ids) for _ in range(self.window)]
                                                     for _ in range(self.ngram - 1)]
                 self.pools[seq.seq_id] = {}
-            nodes, parents = [], []
-            children: dict[tuple[int, int], int] = {}  # (parent, token) -> node: the verification trie
-            for gram in self.pools[seq.seq_id].get(seq.token_ids[-1], []):
-                parent = -1
-                for t in gram:
-                    if (parent, t) not in children:
-                        children[parent, t] = len(nodes)
-                        nodes.append(t)
-                        parents.append(parent)
-                    parent = children[parent, t]
+            nodes, parents = trie(self.pools[seq.seq_id].get(seq.token_ids[-1], []))  # the verification branch
             column_root = [-1]  # the node each column's upper levels hang from: level 0's, column 0 the last token
             for i in range(1, self.window):
                 nodes.append(levels[0][i])

@@ -24,24 +24,28 @@ def propose_ngram_tree(tokens: list[int], k: int, min_n: int, max_n: int, width:
         hits = np.flatnonzero((sliding_window_view(arr[:size - 1], n) == arr[size - n:]).all(1))
         if not hits.size:
             continue
-        nodes, parents, children = [], [], {}  # children: (parent, token) -> node
-        found = set()
+        found: dict[tuple[int, ...], None] = {}  # distinct continuations, latest first
         for start in hits[::-1] + n:
-            candidate = tuple(tokens[start:start + k])
-            if candidate in found:
-                continue
-            found.add(candidate)
-            parent = -1
-            for t in candidate:
-                if (parent, t) not in children:
-                    children[parent, t] = len(nodes)
-                    nodes.append(t)
-                    parents.append(parent)
-                parent = children[parent, t]
+            found.setdefault(tuple(tokens[start:start + k]))
             if len(found) == width:
                 break
-        return nodes, parents
+        return trie(found)
     return [], []
+
+
+def trie(candidates) -> tuple[list[int], list[int]]:
+    """Token sequences merged into a tree where shared prefixes share nodes: (tokens, parents), parents before
+    children, -1 for a child of the sequence's last token."""
+    nodes, parents, children = [], [], {}  # children: (parent, token) -> node
+    for candidate in candidates:
+        parent = -1
+        for t in candidate:
+            if (parent, t) not in children:
+                children[parent, t] = len(nodes)
+                nodes.append(t)
+                parents.append(parent)
+            parent = children[parent, t]
+    return nodes, parents
 
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
