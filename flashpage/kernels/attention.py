@@ -1,6 +1,7 @@
 """FlashAttention in Triton: varlen prefill, paged prefill/decode, and Flash-Decoding's split-KV.
 
-One kernel serves every case. A program owns BLOCK_M *rows* of one sequence and one KV head, where a row is a
+One kernel serves every case (on a Hopper GPU the prefill goes to `flashpage.kernels.hopper_prefill` instead, where
+that kernel takes it). A program owns BLOCK_M *rows* of one sequence and one KV head, where a row is a
 (query token, query head of that KV head's group) pair, so each K/V tile is loaded once for the whole GQA group
 (decode programs take several sequences in turn when one program each would not fit in one wave).
 It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED; paged decode on
@@ -453,7 +454,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
                       softmax_scale=None, window_size=(-1, -1), tiles=None, batch_invariant=False, out=None):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D]. `tiles`
-    (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tile shape (benchmark sweeps). batch_invariant=True:
+    (BLOCK_M, BLOCK_N, num_warps, num_stages) runs this module's kernel with that tile shape, never the Hopper
+    prefill (benchmark sweeps and comparisons). batch_invariant=True:
     a query row's result does not depend on the other rows and sequences of the call (one tile shape, every
     tile masked)."""
     _check(q, k, v, window_size)
@@ -472,7 +474,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
     Decode (max_seqlen_q == 1) splits long key ranges over several programs when the batch alone cannot fill
     the GPU (Flash-Decoding); `num_splits` overrides that choice, and `tiles` (BLOCK_M, BLOCK_N, num_warps,
-    num_stages) the tile shape (benchmark sweeps). batch_invariant=True: a query row's result does not depend on
+    num_stages) runs this module's kernel with that tile shape, never the Hopper prefill (benchmark sweeps). batch_invariant=True: a query row's result does not depend on
     the other rows and sequences of the call, decode or prefill (one tile shape, no split, no copy engine, every
     tile masked).
     """
