@@ -236,8 +236,9 @@ def test_point_mass_proposals_keep_seeded_sampling_token_identical(speculative_c
 
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_checkpoints, tmp_path_factory):
-    """A tiny random target and a draft that agrees with it often but not always: the same model with noise added
-    to its weights, and one layer instead of two."""
+    """A tiny random target and a draft that agrees with it sometimes (7-16% of proposals over seeded prompt sets):
+    the same model with noise added to its weights. (With one layer of the two and more noise, 0.6-6%: a prompt
+    set now and then accepted nothing and failed the greedy test's check that both outcomes happen.)"""
     import copy
 
     path, model = tiny_checkpoints["llama3-rope-scaling"]
@@ -245,9 +246,7 @@ def tiny_pair(tiny_checkpoints, tmp_path_factory):
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in draft.parameters():
-            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen) if p.numel() > 1 else 0)
-    draft.model.layers = draft.model.layers[:1]
-    draft.config.num_hidden_layers = 1
+            p.add_(0.2 * p.std() * torch.randn(p.shape, generator=gen) if p.numel() > 1 else 0)
     out = tmp_path_factory.mktemp("draft")
     draft.save_pretrained(out)
     return str(path), str(out)
