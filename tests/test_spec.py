@@ -58,18 +58,18 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
     assert seq.proposal == [1, 2, 3, 4, 5, 11, 12, 20, 30, 21, 31, 22, 32]
     assert seq.proposal_parents == [-1, 0, 1, 0, 3, -1, 5, -1, 7, 5, 9, 6, 11]
     drawn = [100 + i for i in range(len(seq.proposal) + 1)]  # drawn[i + 1]: the token drawn after node i
-    proposer.observe(seq, drawn, emitted=1)
+    proposer.observe(seq, drawn, emitted=[0])
     assert proposer.levels[7] == [[20, 21, 22], [30, 31, 32], [109, 111, 113]]  # the last level's draws on top
     assert proposer.pools[7][10] == [(20, 30, 109)] and proposer.pools[7][11] == [(21, 31, 111)]
     assert proposer.pools[7][12] == [(22, 32, 113)]
-    proposer.observe(seq, drawn, emitted=1)  # nothing proposed since: nothing learnt
+    proposer.observe(seq, drawn, emitted=[0])  # nothing proposed since: nothing learnt
     assert proposer.levels[7][2] == [109, 111, 113]
     proposer.release(7)
     assert 7 not in proposer.levels and 7 not in proposer.pools
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": 1000}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead is not a known key"),
@@ -78,7 +78,7 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
     ({"model": "no-such-model", "num_speculative_tokens": 2}, "draft model: unknown model 'no-such-model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 16, "tree_width": 4}, "tree_width must be an integer >= 1 with"),
-    ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to method ngram only"),
+    ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to methods ngram and medusa only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "window_size": 3}, "window_size applies to method lookahead"),
     ({"method": "lookahead", "ngram_size": 2}, "ngram_size must be an integer >= 3"),
     ({"method": "lookahead", "num_speculative_tokens": 4}, "is set by lookahead itself"),

@@ -15,6 +15,11 @@ without speculation (the same tokens come out, which is checked), tokens per ver
    disable_by_batch_size (the load switch), against no speculation;
 4. a draft model (--draft, dummy llama-3.2-1b): the time of its k proposals, as target decode steps.
 
+`medusa` (the default model, CPU or GPU): Medusa heads trained here on the model's own answers to other prompts
+of the same kinds (self-distillation, `engine/spec/medusa_train.py`), then `real` with a tree of them and with a
+chain (blockwise parallel decoding), greedy; and sampled at temperature 0.7, lossless and with typical
+acceptance, with the model's mean negative log-likelihood of the outputs (a lossy method's cost).
+
 `trees` (CUDA GPU, dummy weights): one forward of a token tree of 16 / 32 / 64 nodes (branching 1, 2, 4: a chain
 and bushier trees, positions by depth) over a --input-len prompt in the cache, against a plain decode step, batch 1,
 both replayed as CUDA graphs; and each node's logits against its root-to-node path's own forward (beside the same
@@ -65,16 +70,23 @@ def real_prompts() -> list[tuple[str, str]]:
     ]
 
 
-def real(args) -> dict:
+def default_llm(args):
     from flashpage import LLM
 
-    llm = LLM(args.model, **({"dtype": "float32"} if args.device == "cpu" else {}), device=args.device,
-              max_model_len=4096, num_gpu_blocks=512)
-    spec = json.loads(args.speculative_config)
+    return LLM(args.model, **({"dtype": "float32"} if args.device == "cpu" else {}), device=args.device,
+               max_model_len=4096, num_gpu_blocks=512)
+
+
+def real(args, llm=None, spec: dict | None = None, temperature: float = 0.0) -> dict:
+    """Each real prompt alone, with and without `spec` (default --speculative-config). Sampled (temperature >
+    0, one seed a prompt): the model's mean negative log-likelihood of each output is reported too, the check
+    of a lossy option's cost (the lossless methods draw the same tokens)."""
+    llm = llm or default_llm(args)
+    spec = spec or json.loads(args.speculative_config)
     plain, fast = engine_over(llm), engine_over(llm, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows = []
-    for task, message in real_prompts():
+    for n, (task, message) in enumerate(real_prompts()):
+        params = SamplingParams(temperature=temperature, seed=n, max_tokens=args.max_tokens)
         ids = llm.chat_prompt_ids([{"role": "user", "content": message}])
         run_alone(plain, ids[:32], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         base_s, base = run_alone(plain, ids, params)
@@ -89,9 +101,12 @@ def real(args) -> dict:
                      "tokens_per_verification": 1 + accepted / max(1, drafts),
                      "acceptance": accepted / max(1, proposed), "verifications": drafts})
         r = rows[-1]
+        if temperature:
+            r["plain_nll"], r["spec_nll"] = output_nll(llm, ids, base), output_nll(llm, ids, out)
         print(f"{task:10s} prompt {len(ids):4d} out {len(out):4d}  plain {base_s:6.2f} s  spec {spec_s:6.2f} s  "
               f"{r['speedup']:.2f}x  {r['tokens_per_verification']:.2f} tokens/verification  "
-              f"acceptance {r['acceptance']:.2f}  same tokens: {r['same_tokens']}", flush=True)
+              f"acceptance {r['acceptance']:.2f}  same tokens: {r['same_tokens']}" +
+              (f"  NLL plain {r['plain_nll']:.3f} spec {r['spec_nll']:.3f}" if temperature else ""), flush=True)
     by_task = {}
     for r in rows:
         by_task.setdefault(r["task"], []).append(r)
@@ -100,8 +115,87 @@ def real(args) -> dict:
                for t, rs in by_task.items()}
     for t, s in summary.items():
         print(f"{t:10s} total speedup {s['speedup']:.2f}x, {s['tokens_per_verification']:.2f} tokens/verification")
-    return {"model": args.model, "device": str(llm.engine.runner.device), "speculative_config": spec,
-            "max_tokens": args.max_tokens, "prompts": rows, "by_task": summary}
+    out = {"model": args.model, "device": str(llm.engine.runner.device), "speculative_config": spec,
+           "max_tokens": args.max_tokens, "temperature": temperature, "prompts": rows, "by_task": summary,
+           "speedup": sum(r["plain_s"] for r in rows) / sum(r["spec_s"] for r in rows)}
+    if temperature:
+        out["plain_nll"] = statistics.mean(r["plain_nll"] for r in rows)
+        out["spec_nll"] = statistics.mean(r["spec_nll"] for r in rows)
+        print(f"mean NLL of the outputs under the model: plain {out['plain_nll']:.3f}, spec {out['spec_nll']:.3f}")
+    return out
+
+
+@torch.inference_mode()
+def output_nll(llm, prompt: list[int], output: list[int]) -> float:
+    """The model's mean negative log-likelihood (temperature 1) of `output` after `prompt`."""
+    from flashpage.model import AttentionMetadata
+
+    model = llm.engine.runner.model
+    ids = torch.tensor(prompt + output, device=llm.engine.runner.device)
+    hidden = model(ids, AttentionMetadata.prefill([len(ids)]), None)[len(prompt) - 1:-1]
+    logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)
+    return -float(logprobs.gather(1, ids[len(prompt):, None]).mean())
+
+
+def training_prompts() -> list[str]:
+    """User messages whose answers train Medusa heads: the kinds of `real_prompts`, on other passages of the same
+    documentation and other functions' source (none of the benchmark's own)."""
+    import shlex
+    import string
+    import textwrap
+
+    from pydoc_data.topics import topics
+
+    held_out = {"pass", "assert", "break", "continue"}
+    names = [n for n in sorted(topics) if n not in held_out and len(topics[n]) > 600]
+    out = []
+    for i, name in enumerate(names[:48]):
+        text = topics[name][:topics[name].rfind("\n\n", 0, 900)].strip() or topics[name][:900]
+        out.append(["Copy the following text exactly, fixing only spelling mistakes if there are any:\n\n",
+                    "Summarise this passage in two sentences:\n\n", "Explain this passage to a beginner:\n\n"][i % 3]
+                   + text)
+    functions = [textwrap.wrap, textwrap.fill, textwrap.shorten, shlex.split, shlex.quote, shlex.join,
+                 string.capwords, inspect.getdoc, inspect.cleandoc, json.dumps]
+    for i, f in enumerate(functions):
+        code = "```python\n" + inspect.getsource(f) + "```"
+        out.append(["Add a type hint to every argument of this function and show the whole function:\n\n",
+                    f"Rename the function `{f.__name__}` to `{f.__name__}_v2` in this code and show the whole "
+                    "code:\n\n"][i % 2] + code)
+    return out
+
+
+def medusa(args) -> dict:
+    """Medusa heads for the default model, trained here on its own greedy answers to `training_prompts`
+    (self-distillation; --heads keeps them), then the real prompts with a tree and with a chain (blockwise),
+    greedy, and sampled at temperature 0.7 losslessly and with typical acceptance."""
+    from flashpage.engine.spec.medusa_train import save_medusa, train_medusa
+
+    llm = default_llm(args)
+    heads = args.heads or Path("/tmp/flashpage-medusa-heads")
+    trained = {}
+    if not (heads / "config.json").exists():
+        start = time.perf_counter()
+        messages = training_prompts()
+        prompts = [llm.chat_prompt_ids([{"role": "user", "content": m}]) for m in messages]
+        answers = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=args.max_tokens))
+        sequences = [p + a.outputs[0].token_ids for p, a in zip(prompts, answers)]
+        generated = time.perf_counter() - start
+        model = llm.engine.runner.model
+        save_medusa(train_medusa(model, sequences, args.k, steps=args.train_steps, batch=256), heads)
+        trained = {"training_sequences": len(sequences), "training_tokens": sum(map(len, sequences)),
+                   "generate_s": generated, "train_s": time.perf_counter() - start - generated,
+                   "train_steps": args.train_steps}
+        print(f"trained {args.k} heads on {trained['training_tokens']} tokens: {generated:.0f} s generating, "
+              f"{trained['train_s']:.0f} s training", flush=True)
+    runs = {}
+    for name, spec, temperature in [
+            ("tree", {}, 0.0), ("chain (blockwise)", {"tree_width": 1}, 0.0), ("tree, sampled", {}, 0.7),
+            ("tree, sampled, typical", {"acceptance_method": "typical_acceptance_sampler"}, 0.7)]:
+        print(f"--- Medusa heads, {name}", flush=True)
+        runs[name] = real(args, llm, {"method": "medusa", "model": str(heads), **spec}, temperature)
+    return {"model": args.model, "device": str(llm.engine.runner.device), "heads": str(heads), **trained,
+            "runs": runs}
 
 
 class OracleProposer:
@@ -416,14 +510,17 @@ def trees(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["real", "mechanics", "trees", "sot", "plot"], nargs="?", default="real",
+    p.add_argument("suite", choices=["real", "medusa", "mechanics", "trees", "sot", "plot"], nargs="?", default="real",
                    help="plot: the curve of a mechanics JSON (--out) as a PNG beside it")
     p.add_argument("--model", default=None, help="real: the default model; mechanics, trees: llama-3-8b (dummy)")
     p.add_argument("--device", default="auto")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 8}')
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--k", type=int, default=4, help="mechanics: num_speculative_tokens")
+    p.add_argument("--k", type=int, default=4, help="mechanics: num_speculative_tokens; medusa: heads trained")
+    p.add_argument("--heads", type=Path, default=None, help="medusa: the heads' directory (trained there if empty; "
+                   "default /tmp/flashpage-medusa-heads)")
+    p.add_argument("--train-steps", type=int, default=400, help="medusa: training steps (batches of 256 positions)")
     p.add_argument("--acceptance", default="1,0.9,0.8,0.7,0.6,0.5,0.4,0.2,0")
     p.add_argument("--batch-sizes", default="1,4,16,32,64")
     p.add_argument("--dtype", default="bfloat16", help="mechanics: the weights' dtype (float32: the oracle's answers "
@@ -435,13 +532,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "plot":
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return 0
-    if args.suite in ("real", "sot"):
+    if args.suite in ("real", "sot", "medusa"):
         from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 
         args.model = args.model or str(resolve_known_model(DEFAULT_MODEL))
         args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else \
             "cpu" if args.device == "auto" else args.device
-        results = real(args) if args.suite == "real" else sot(args)
+        results = {"real": real, "sot": sot, "medusa": medusa}[args.suite](args)
     else:
         args.model = args.model or "llama-3-8b"
         results = mechanics(args) if args.suite == "mechanics" else trees(args)

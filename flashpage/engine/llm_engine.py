@@ -22,6 +22,8 @@ from flashpage.engine.sparse import SparseStats
 from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec import SpecStats, make_proposer
 from flashpage.engine.spec.draft import draft_bytes_per_block, load_draft
+from flashpage.engine.spec.medusa import with_head_count
+from flashpage.engine.spec.typical import kept_token, typical_walk
 from flashpage.engine.step import SampledToken
 from flashpage.engine.structured import StructuredOutputs
 from flashpage.errors import ParameterError
@@ -54,7 +56,9 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
         """Builds the runner (which loads `cfg.model`, or serves `loaded`), the block manager and the scheduler.
         With tensor_parallel_size > 1 it first starts the other ranks (`flashpage.parallel.workers`)."""
+        cfg = with_head_count(cfg)  # (Medusa: how many heads, before the runner sizes its verify graphs)
         self.spec = cfg.speculative
+        self.typical = self.spec is not None and self.spec.acceptance_method == "typical_acceptance_sampler"
         self.workers = None
         if cfg.tensor_parallel_size > 1:
             if loaded is not None:
@@ -286,24 +290,32 @@ class LLMEngine:
             if seq_id in self.seqs:
                 self.seqs[seq_id].prompt_logprobs += [self._logprobs_entry(t) for t in tokens]
         now = time.time()
-        for seq_id, drawn in itertools.groupby(result.sampled, key=lambda t: t.seq_id):  # a sequence's tokens are adjacent
+        observe = getattr(self.proposer, "observe", None)
+        # a sequence's samples are adjacent: (index of its first, its tokens)
+        for seq_id, group in itertools.groupby(enumerate(result.sampled), key=lambda p: p[1].seq_id):
             seq = self.seqs.get(seq_id)
             if seq is None or seq.finished:
                 continue  # finished (or aborted) while this step ran: its tokens are dropped
-            drawn = list(drawn)
-            if seq.verifying_parents:  # a tree: from its root, go down to the child holding the token drawn
-                proposal, kept = seq.verifying, walk_tree(seq.verifying, seq.verifying_parents, drawn)
-                if hasattr(self.proposer, "observe"):
-                    self.proposer.observe(seq, [t.token_id for t in drawn], len(kept) + 1)
+            group = list(group)
+            first, drawn = group[0][0], [t for _, t in group]
+            drawn_ids = [t.token_id for t in drawn]
+            rows = [0]  # the sample rows whose tokens are emitted: row 0 drew after its last token, row i + 1 after
+            # proposed token i
+            if seq.verifying:  # keep the path of proposed tokens the draws follow (a chain's: each equal to the
+                # token drawn before it), and the token drawn after it
+                proposal = seq.verifying
+                kept = self._verify(seq, drawn, result.logits[first:first + len(drawn)] if self.typical else None)
                 self.spec_stats.record(len(proposal), len(kept))
                 self.scheduler.accept(seq, len(kept), kept)
-                drawn = [drawn[0]] + [drawn[i + 1] for i in kept]
-            elif seq.verifying:  # keep proposed tokens while each equals the token drawn before it, plus one more
-                proposal = seq.verifying
-                accepted = next((i for i, (p, t) in enumerate(zip(proposal, drawn)) if p != t.token_id), len(proposal))
-                self.spec_stats.record(len(proposal), accepted)
-                self.scheduler.accept(seq, accepted)
-                drawn = drawn[:accepted + 1]
+                rows += [i + 1 for i in kept]
+                emitted = [drawn[r] for r in rows]
+                for j, node in enumerate(kept):
+                    if emitted[j].token_id != proposal[node]:  # typical acceptance kept a token not drawn
+                        emitted[j] = kept_token(seq_id, proposal[node], result.logits[first + rows[j]], emitted[j])
+                drawn = emitted
+            if observe:
+                observe(seq, drawn_ids, rows, result.hidden[first:first + len(drawn_ids)]
+                        if result.hidden is not None else None)
             for sampled in drawn:
                 self._append(seq, sampled)
                 if seq.finished:
@@ -387,6 +399,18 @@ class LLMEngine:
             **(self.spec_stats.as_dict() if self.spec else {}),
             **(self.sparse_stats.as_dict() if self.sparse_stats else {}),
         }
+
+
+    def _verify(self, seq: Sequence, drawn: list[SampledToken], logits) -> list[int]:
+        """The proposed tokens the engine keeps of `seq.verifying` (a chain, or a tree), root first; `logits`:
+        the sequence's sample rows where typical acceptance may judge them."""
+        parents = seq.verifying_parents or list(range(-1, len(seq.verifying) - 1))  # (a chain)
+        t = seq.params.temperature
+        if logits is not None and t > 0:
+            spec = self.spec
+            return typical_walk(seq.verifying, parents, logits, t, spec.typical_acceptance_sampler_posterior_threshold,
+                                spec.typical_acceptance_sampler_posterior_alpha)
+        return walk_tree(seq.verifying, parents, drawn)
 
 
 def walk_tree(tokens: list[int], parents: list[int], drawn) -> list[int]:

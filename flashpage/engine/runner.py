@@ -62,13 +62,14 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class StepFuture:
     """One step's results on their way to the host; `result()` waits for them."""
 
-    def __init__(self, samples: list[SampleSpec], sampled, prompt: dict[int, tuple], cuda: bool):
+    def __init__(self, samples: list[SampleSpec], sampled, prompt: dict[int, tuple], cuda: bool,
+                 hidden: torch.Tensor | None, logits: torch.Tensor):
         def to_host(t):
             if t is None or not cuda:
                 return t
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-        self.samples = samples
+        self.samples, self.hidden, self.logits = samples, hidden, logits
         self.tensors = [to_host(t) for t in (sampled.tokens, sampled.logprobs, sampled.ranks, sampled.top_ids,
                                              sampled.top_logprobs)]
         self.prompt = {seq_id: (targets, *(to_host(t) for t in tensors)) for seq_id, (targets, *tensors) in prompt.items()}
@@ -80,7 +81,7 @@ class StepFuture:
         if self.done is not None:
             self.done.synchronize()
         tokens, logprobs, ranks, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
-        out = StepResult()
+        out = StepResult(hidden=self.hidden, logits=self.logits)
         for i, spec in enumerate(self.samples):
             k = spec.row.params.logprobs
             if k is None:
@@ -157,8 +158,11 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
-        # (batch size, tokens per sequence) -> (graph, logits)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # A proposer that drafts from the target's own features (Medusa heads) sets this: each step's result then
+        # carries the last layer's residual stream at every sample's row (StepResult.hidden).
+        self.keep_hidden = False
+        # (batch size, tokens per sequence) -> (graph, hidden states, logits)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         spec = cfg.speculative
         self.verify_len = spec.num_speculative_tokens + 1 if spec else 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
@@ -189,12 +193,14 @@ class ModelRunner:
         dev = self.device
         if self.tp.size > 1:  # the other ranks need the sequences, not the samples (only this rank samples)
             self.tp.broadcast_object(dataclasses.replace(plan, samples=[]))
-        logits, prompt_logits = self.forward(plan)
+        logits, prompt_logits, hidden = self.forward(plan)
         prompt = {seq_id: (targets, *self._prompt_logprobs(rows, targets, k))
                   for seq_id, (rows, targets, k) in prompt_logits.items()}
         picked = [spec.logits_row for spec in plan.samples]
         if picked != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
-            logits = logits.index_select(0, upload(picked, torch.int64, dev))
+            index = upload(picked, torch.int64, dev)
+            logits = logits.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
         self.last_logits = logits
         draft_tokens = None
         if any(spec.draft_token >= 0 for spec in plan.samples):
@@ -207,13 +213,14 @@ class ModelRunner:
         sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs,
                               bitmask)
         self.last_sampled = sampled.tokens
-        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda")
+        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda", hidden, logits)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, list[int], int]]]:
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, list[int], int]],
+                                               torch.Tensor | None]:
         """What every rank runs of a step: block copies, inputs, the forward pass and the logits rows. Returns the
-        logits and, for sequences that asked for prompt log-probs, {seq_id: (their prompt rows' logits, the
-        targets, k)}."""
+        logits, for sequences that asked for prompt log-probs {seq_id: (their prompt rows' logits, the targets,
+        k)}, and (with `keep_hidden`) the last layer's residual stream at the logits rows (a copy), else None."""
         dev = self.device
         if plan.moves:  # a verified tree's kept tokens into their places (before any block copy reuses a block)
             src = upload([m[0] for m in plan.moves], torch.int64, dev)
@@ -236,9 +243,9 @@ class ModelRunner:
             tokens = self.last_sampled[rows].to(ids.dtype) if self.tp.rank == 0 else \
                 torch.empty(rows.shape, dtype=ids.dtype, device=dev)
             ids[inputs.from_last_step[0::2]] = self.tp.broadcast(tokens)
-        prompt = {}
+        prompt, kept = {}, None
         if graph_key:
-            graph, logits = self.graphs[graph_key]
+            graph, hidden, logits = self.graphs[graph_key]
             st, size, tokens = self.static, graph_key[0], ids.shape[0]
             st["ids"][:tokens].copy_(ids)
             st["positions"][:tokens].copy_(meta.positions)
@@ -247,15 +254,18 @@ class ModelRunner:
             st["block_table"][:size, :meta.block_table.shape[1]].copy_(meta.block_table)
             graph.replay()
             rows = inputs.logits_index
-            logits = logits[:len(rows)] if rows == list(range(len(rows))) else \
-                logits.index_select(0, upload(rows, torch.int64, dev))
+            index = upload(rows, torch.int64, dev)
+            logits = logits[:len(rows)] if rows == list(range(len(rows))) else logits.index_select(0, index)
+            if self.keep_hidden:  # (a copy: the next replay overwrites the graph's buffer)
+                kept = hidden.index_select(0, index)
         else:
             hidden = self.model(ids, meta, self.kv_caches)
             # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory,
             # which makes the host wait for the whole forward pass and leaves the GPU idle meanwhile.
             rows = inputs.logits_index
-            logits = self.model.compute_logits(
-                hidden.index_select(0, upload(rows, torch.int64, dev)) if len(rows) < len(ids) else hidden)
+            hidden_rows = hidden.index_select(0, upload(rows, torch.int64, dev)) if len(rows) < len(ids) else hidden
+            logits = self.model.compute_logits(hidden_rows)
+            kept = hidden_rows if self.keep_hidden else None
             start = 0
             for s in seqs:
                 if s.prompt_logprobs is not None:
@@ -263,7 +273,7 @@ class ModelRunner:
                     prompt[s.seq_id] = (self.model.compute_logits(hidden[first:first + len(s.prompt_targets)]),
                                         s.prompt_targets, s.prompt_logprobs)
                 start += len(s.token_ids)
-        return logits, prompt
+        return logits, prompt, kept
 
     def _prompt_logprobs(self, logits: torch.Tensor, targets: list[int], k: int):
         """Log-probabilities of the prompt tokens that rows of `logits` predict, and the top-k of each row."""
@@ -308,14 +318,17 @@ class ModelRunner:
                 n = size * q_
                 meta = AttentionMetadata(st[f"cu{q_}"][:size + 1], st["seq_lens"][:size], q_, st["positions"][:n],
                                          st["slots"][:n], st["block_table"][:size], sparse=self.sparse)
-                run = lambda: self.model.compute_logits(self.model(st["ids"][:n], meta, self.kv_caches))  # noqa: E731
+
+                def run():
+                    hidden = self.model(st["ids"][:n], meta, self.kv_caches)
+                    return hidden, self.model.compute_logits(hidden)
                 run()  # compiles the Triton kernels for this shape outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = run()
+                    hidden, logits = run()
                 pool = graph.pool()
-                self.graphs[(size, q_)] = (graph, logits)
+                self.graphs[(size, q_)] = (graph, hidden, logits)
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured %d CUDA graphs (decode batches %d..%d, verify batches up to %d) in %.1f s", len(keys),
                  min(sizes), max(sizes), max(verify_sizes, default=0), time.perf_counter() - start)

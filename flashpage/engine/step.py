@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flashpage.kv import CopyOp
 from flashpage.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -85,3 +89,8 @@ class SampledToken:
 class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)  # in plan order: a sequence's tokens in turn
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # seq_id -> one per target
+    # On the device, a row per sample: the last layer's residual stream where the runner keeps it (else None), and
+    # the logits each token was drawn from, after masks and penalties (a CUDA graph's rows are overwritten by the
+    # runner's next step: read them before it)
+    hidden: torch.Tensor | None = None
+    logits: torch.Tensor | None = None

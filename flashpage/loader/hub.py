@@ -21,10 +21,10 @@ def is_hub_id(model: str) -> bool:
 
 
 def resolve_hub_model(repo_id: str, *, revision: str | None = None, gguf_file: str | None = None,
-                      weights: bool = True) -> Path:
+                      weights: bool = True, extra_patterns: list[str] = ()) -> Path:
     """The local snapshot directory of `repo_id` (or its `gguf_file`), downloading what is missing. `weights=False`
-    fetches the configuration and tokenizer alone (random weights of the model's shape). Raises ValueError naming
-    the id and what is missing."""
+    fetches the configuration and tokenizer alone (random weights of the model's shape); `extra_patterns`, files
+    beyond the usual (Medusa heads' `.pt`). Raises ValueError naming the id and what is missing."""
     import huggingface_hub
     from huggingface_hub import constants, errors
 
@@ -36,7 +36,7 @@ def resolve_hub_model(repo_id: str, *, revision: str | None = None, gguf_file: s
                                                         local_files_only=offline))
         path = Path(huggingface_hub.snapshot_download(
             repo_id, revision=revision, local_files_only=offline,
-            allow_patterns=CONFIG_FILES + (WEIGHT_FILES if weights else [])))
+            allow_patterns=CONFIG_FILES + (WEIGHT_FILES if weights else []) + list(extra_patterns)))
     except errors.GatedRepoError:
         raise ValueError(f"model {repo_id} is gated on the Hugging Face Hub: accept its terms on its page, then set "
                          f"HF_TOKEN to a token of that account") from None

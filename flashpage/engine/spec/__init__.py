@@ -1,5 +1,5 @@
-"""Speculative decoding: proposers (prompt lookup, a draft model, lookahead decoding) whose tokens one target step
-verifies.
+"""Speculative decoding: proposers (prompt lookup, a draft model, lookahead decoding, Medusa heads) whose tokens
+one target step verifies.
 
 A proposer sets `seq.proposal` for decoding sequences before the step is scheduled; the scheduler computes those
 tokens with the sequence's last one, and the engine keeps the verified prefix (engine/llm_engine.py)."""
@@ -13,12 +13,17 @@ def make_proposer(spec: SpeculativeConfig, cfg, runner, draft=None):
     """The proposer of `spec.method` for an engine with config `cfg`, target `runner` and (draft_model) the draft's
     loaded weights. A proposer's `propose(running)` sets `proposal` on the decoding sequences it can serve; `probs`
     is what the target's step needs of it (a draft's q rows, or None), and `release(seq_id)` forgets a sequence.
-    One that learns from what a verified token tree drew at every node has `observe(seq, drawn, emitted)`."""
+    One that learns from each step has `observe(seq, drawn, emitted, hidden)`: the tokens drawn at the sequence's
+    sample rows, the rows whose tokens were emitted, and (where it set `runner.keep_hidden`) the target's hidden
+    states at those rows."""
     if spec.method == "ngram":
         return NgramProposer(spec)
     if spec.method == "lookahead":
         from flashpage.engine.spec.lookahead import LookaheadProposer
         return LookaheadProposer(spec)
+    if spec.method == "medusa":
+        from flashpage.engine.spec.medusa import MedusaProposer
+        return MedusaProposer(spec, runner)
     from flashpage.engine.spec.draft import DraftProposer
     return DraftProposer(spec, cfg, runner, draft)
 

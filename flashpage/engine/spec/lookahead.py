@@ -59,14 +59,15 @@ class LookaheadProposer:
             seq.proposal, seq.proposal_parents = nodes, parents
             self.last_level[seq.seq_id] = (len(nodes), last)
 
-    def observe(self, seq, drawn: list[int], emitted: int) -> None:
-        """After a verified tree: drawn[0] the token drawn after the last token, drawn[i + 1] the one after node
-        i; `emitted` tokens were kept. A tree that was cut (a grammar keeps one branch) teaches nothing."""
+    def observe(self, seq, drawn: list[int], emitted: list[int], hidden=None) -> None:
+        """After every step that drew for `seq`: drawn[0] the token drawn after the last token, drawn[i + 1] the
+        one after node i; the rows `emitted` gave its tokens. Only a whole verified tree teaches: a tree that was
+        cut (a grammar keeps one branch) or not scheduled does not."""
         size, last = self.last_level.pop(seq.seq_id, (None, None))
         if size is None or len(drawn) != size + 1:
             return
         levels, pool = self.levels[seq.seq_id], self.pools[seq.seq_id]
-        for v in range(emitted):  # as llama.cpp: the levels move once per emitted token
+        for v in range(len(emitted)):  # as llama.cpp: the levels move once per emitted token
             previous = levels[0]
             levels[:-1] = levels[1:]
             levels[-1] = [drawn[node + 1] for node in last] if v == 0 else list(levels[0])
