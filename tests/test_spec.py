@@ -352,34 +352,41 @@ def test_speculation_stops_above_disable_by_batch_size():
 
 
 def test_verify_steps_padded_for_a_cuda_graph_give_the_unpadded_logits():
-    """A verify graph runs every sequence as num_speculative_tokens + 1 tokens, padding in front and the batch to
-    the graph's size; here the padded inputs run eagerly (on CPU too) against the plain ones."""
+    """A verify graph runs every sequence as its longest proposal + 1 tokens, padding in front and the batch to
+    the graph's size; a graph that serves token trees shifts each tree's mask past its padding, which sees the
+    cached prefix. Here the padded inputs run eagerly (on CPU too) against the plain ones."""
     from flashpage.engine.inputs import prepare_inputs
     from flashpage.engine.step import SeqStep, StepPlan
+    from flashpage.kernels.tree import depths
 
     engine = tiny_engine()
     runner, bm = engine.runner, engine.bm
     rng = random.Random(int(torch.randint(1 << 30, ())))
     plan = StepPlan()
-    for seq_id, (cached, new) in enumerate([(40, 5), (3, 1), (17, 3), (2, 4), (33, 2)]):  # (2, 4): pads at < 0
-        bm.allocate_prefix(seq_id, [])
+    tree = [-1, 0, 0, 1, 1, 2, 0]  # the last token, then nodes under it (parents as SeqStep.tree holds them)
+    for seq_id, (cached, new) in enumerate([(40, 5), (3, 1), (20, len(tree)), (17, 3), (2, 4), (33, 2)]):
+        bm.allocate_prefix(seq_id, [])  # ((2, 4): pads at < 0; (20, 7): a token tree)
         bm.append_slots(seq_id, cached + new)
         prompt = [rng.randrange(512) for _ in range(cached)]
         prefill = StepPlan()
         prefill.add(SeqStep(seq_id, prompt, list(range(cached)), bm.table(seq_id)))
         inputs = prepare_inputs(prefill, bm.block_size, runner.device)
         runner.model(inputs.ids, inputs.meta, runner.kv_caches)
-        plan.add(SeqStep(seq_id, [rng.randrange(512) for _ in range(new)], list(range(cached, cached + new)),
-                         bm.table(seq_id), num_logits=new))
+        step = SeqStep(seq_id, [rng.randrange(512) for _ in range(new)], list(range(cached, cached + new)),
+                       bm.table(seq_id), num_logits=new)
+        if new == len(tree):
+            step.tree, step.positions = tree, [cached + d for d in depths(tree)]
+        plan.add(step)
 
     def logits(inputs):
         hidden = runner.model(inputs.ids, inputs.meta, runner.kv_caches)
         return runner.model.compute_logits(hidden)[inputs.logits_index]
 
     want = logits(prepare_inputs(plan, bm.block_size, runner.device))
-    got = logits(prepare_inputs(plan, bm.block_size, runner.device, rows=8, q_len=5))
-    assert want.shape == (plan.num_logits, 512)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for q_len in (7, 9):
+        got = logits(prepare_inputs(plan, bm.block_size, runner.device, rows=8, q_len=q_len, masked=True))
+        assert want.shape == (plan.num_logits, 512)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")

@@ -2,7 +2,8 @@
 AttentionMetadata, built on the host and uploaded in one asynchronous copy.
 
 For a captured CUDA graph, the batch is padded to the graph's size (padding sequences have no keys and write no
-cache slot), and in a verify step every sequence's tokens to the graph's query length.
+cache slot), and in a verify step every sequence's tokens to the graph's query length; a verify graph that
+serves token trees reads a query mask for every row.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class StepInputs:
 
 
 def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: int | None = None,
-                   q_len: int | None = None) -> StepInputs:
+                   q_len: int | None = None, masked: bool = False) -> StepInputs:
     """`rows` pads the batch to that many sequences; `q_len` pads every sequence's tokens to that many (a verify
     step's CUDA graph). Padding goes in front: padding tokens take the positions just before the sequence's own
-    (whose keys are in the cache, so they never read an unwritten slot), write no slot and give no logits."""
+    (whose keys are in the cache, so they never read an unwritten slot), write no slot and give no logits.
+    `masked`: a query mask for every row even where no sequence is a tree (a graph captured with one)."""
     seqs = plan.seqs
     rows = rows or len(seqs)
     tokens, positions, slots, cu, seq_lens, logits_index, deferred = [], [], [], [0], [], [], []
@@ -67,7 +69,10 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
         [n, n, n, rows, rows + 1, rows * width, len(deferred)])
     meta = AttentionMetadata(cu_t.int(), lens_t.int(), q_len or max(len(s.token_ids) for s in seqs), positions_t,
                              slots_t, table_t.int().view(rows, width))
-    if any(s.tree for s in seqs):  # token trees: their rows' bits; every other row sees causally (-1)
-        bits = [b for s in seqs for b in (tree_mask(s.tree) if s.tree else [-1] * len(s.token_ids))]
-        meta.query_mask = upload(bits, torch.int64, device)
+    if masked or any(s.tree for s in seqs):  # token trees: their rows' bits; every other row sees causally (-1)
+        bits = []
+        for s in seqs:
+            pad = q_len - len(s.token_ids) if q_len else 0
+            bits += [-1] * pad + (tree_mask(s.tree, pad) if s.tree else [-1] * len(s.token_ids))
+        meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
     return StepInputs(ids, meta, logits_index, deferred_t)

@@ -8,8 +8,8 @@ Nothing here waits for the GPU except `StepFuture.result()`, the one read-back p
 step is still sampling is read on the device from that step's sampled tokens (the plan names the row), so the
 host can prepare step N+1 while the GPU runs step N. Decode steps (one new token per sequence) replay a CUDA
 graph captured for the next batch size up the ladder, and so do verify steps of speculative decoding (each
-sequence's last token and its proposals, padded to num_speculative_tokens + 1); prefill and mixed steps run
-eagerly.
+sequence's last token and its proposals, chains or token trees, padded to the longest proposal + 1); prefill and
+mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -164,7 +164,10 @@ class ModelRunner:
         # (batch size, tokens per sequence) -> (graph, hidden states, logits)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         spec = cfg.speculative
-        self.verify_len = spec.num_speculative_tokens + 1 if spec else 0
+        # a verify graph's tokens per sequence: its last token and the longest proposal; one that serves token trees
+        # reads a query mask (kernels/tree.py) for every row
+        self.verify_len = spec.max_proposal + 1 if spec else 0
+        self.verify_masked = spec is not None and spec.proposes_trees
         if self.device.type == "cuda" and not cfg.enforce_eager:
             sizes = graph_batch_sizes(cfg.max_num_seqs)
             # verify steps only run at batch sizes where speculation is on
@@ -234,8 +237,8 @@ class ModelRunner:
                 cache.copy_blocks(src, dst)
         seqs = plan.seqs
         graph_key = self._graph_for(seqs)
-        inputs = prepare_inputs(plan, self.block_size, dev, *graph_key) if graph_key else \
-            prepare_inputs(plan, self.block_size, dev)
+        inputs = prepare_inputs(plan, self.block_size, dev, *graph_key, masked=self.verify_masked and graph_key[1] > 1) \
+            if graph_key else prepare_inputs(plan, self.block_size, dev)
         ids, meta = inputs.ids, inputs.meta
         meta.sparse = self.sparse
         if inputs.from_last_step.numel():
@@ -252,6 +255,8 @@ class ModelRunner:
             st["slots"][:tokens].copy_(meta.slot_mapping)
             st["seq_lens"][:size].copy_(meta.seq_lens_k)
             st["block_table"][:size, :meta.block_table.shape[1]].copy_(meta.block_table)
+            if meta.query_mask is not None:
+                st["query_mask"][:tokens].copy_(meta.query_mask)
             graph.replay()
             rows = inputs.logits_index
             index = upload(rows, torch.int64, dev)
@@ -289,8 +294,8 @@ class ModelRunner:
     def _graph_for(self, seqs) -> tuple[int, int] | None:
         """The captured graph (batch size, tokens per sequence) that runs these sequences, if any: a decode step
         (one token each), or a verify step (each a last token and its proposals, every token giving logits)."""
-        if not self.graphs or any(s.prompt_logprobs is not None or s.num_logits != len(s.token_ids) or s.tree
-                                  for s in seqs):
+        if not self.graphs or any(s.prompt_logprobs is not None or s.num_logits != len(s.token_ids) or
+                                  (s.tree and not self.verify_masked) for s in seqs):
             return None
         q = 1 if all(len(s.token_ids) == 1 for s in seqs) else self.verify_len
         if any(len(s.token_ids) > q for s in seqs):
@@ -309,6 +314,7 @@ class ModelRunner:
             "slots": torch.full((tokens,), -1, dtype=torch.int64, device=dev),
             "seq_lens": torch.ones(top, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "query_mask": torch.full((tokens,), -1, dtype=torch.int64, device=dev),
             # cu_seqlens for each query length (a graph keeps the addresses it was captured with, not the tensors)
             **{f"cu{q_}": torch.arange(0, (top + 1) * q_, q_, dtype=torch.int32, device=dev) for _, q_ in keys},
         }
@@ -317,7 +323,8 @@ class ModelRunner:
             for size, q_ in tqdm(sorted(keys, key=lambda k: -k[0] * k[1]), desc="Capturing CUDA graphs", leave=False):
                 n = size * q_
                 meta = AttentionMetadata(st[f"cu{q_}"][:size + 1], st["seq_lens"][:size], q_, st["positions"][:n],
-                                         st["slots"][:n], st["block_table"][:size], sparse=self.sparse)
+                                         st["slots"][:n], st["block_table"][:size], sparse=self.sparse,
+                                         query_mask=st["query_mask"][:n] if self.verify_masked and q_ > 1 else None)
 
                 def run():
                     hidden = self.model(st["ids"][:n], meta, self.kv_caches)

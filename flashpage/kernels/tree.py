@@ -18,15 +18,19 @@ import torch
 MAX_TREE_TOKENS = 64
 
 
-def tree_mask(parents: list[int]) -> list[int]:
-    """The bits of each node of a tree given as parents (-1 for a root, else an earlier node's index)."""
+def tree_mask(parents: list[int], seen_before: int = 0) -> list[int]:
+    """The bits of each node of a tree given as parents (-1 for a root, else an earlier node's index).
+    `seen_before`: that many of the step's queries come before the tree's first and every node sees them (a CUDA
+    graph's padding, which sits on keys of the cached prefix)."""
     bits: list[int] = []
     for i, p in enumerate(parents):
         if not -1 <= p < i:
             raise ValueError(f"node {i}'s parent {p} is not an earlier node of the tree")
         bits.append((bits[p] if p >= 0 else 0) | 1 << i)
-    if len(parents) > MAX_TREE_TOKENS:
-        raise ValueError(f"a token tree has at most {MAX_TREE_TOKENS} nodes, got {len(parents)}")
+    if seen_before + len(parents) > MAX_TREE_TOKENS:
+        raise ValueError(f"a token tree has at most {MAX_TREE_TOKENS} nodes (with the queries before it), got "
+                         f"{seen_before + len(parents)}")
+    bits = [b << seen_before | (1 << seen_before) - 1 for b in bits]
     return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # as int64
 
 
@@ -63,7 +67,8 @@ def check_query_mask(query_mask: torch.Tensor, q: torch.Tensor, causal: bool, wi
 def tree_visible(bits: torch.Tensor, len_k: int) -> torch.Tensor:
     """Boolean [len_q, len_k]: which keys each of a sequence's queries (bits [len_q]) sees (reference kernels)."""
     len_q = bits.shape[0]
+    first = len_k - len_q  # the key of the step's first query (below 0 where a CUDA graph's padding has no key)
     mask = torch.ones(len_q, len_k, dtype=torch.bool, device=bits.device)
-    j = torch.arange(min(len_q, MAX_TREE_TOKENS), device=bits.device)
-    mask[:, len_k - len_q:len_k - len_q + j.numel()] = (bits[:, None] >> j[None, :]) & 1 == 1
+    keys = torch.arange(max(first, 0), min(len_k, first + MAX_TREE_TOKENS), device=bits.device)
+    mask[:, keys] = (bits[:, None] >> (keys - first)[None, :]) & 1 == 1
     return mask

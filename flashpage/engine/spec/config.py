@@ -48,6 +48,22 @@ class SpeculativeConfig:
     typical_acceptance_sampler_posterior_threshold: float = 0.09
     typical_acceptance_sampler_posterior_alpha: float = 0.3
 
+    @property
+    def proposes_trees(self) -> bool:
+        return self.method == "lookahead" or (self.method in ("ngram", "medusa") and self.tree_width > 1) or \
+            (self.medusa_choices is not None and any(p[-1] > 0 for p in self.medusa_choices))
+
+    @property
+    def max_proposal(self) -> int:
+        """The most tokens one proposal holds (a verify graph's length, less the sequence's last token)."""
+        k = self.num_speculative_tokens
+        if self.method == "lookahead":
+            w, n, g = self.window_size, self.ngram_size, self.guess_set_size
+            return (w - 1) + w * (n - 2) + g * (n - 1)
+        if self.method == "medusa":
+            return len(self.medusa_choices) if self.medusa_choices else min(self.tree_width * k, MAX_TREE_TOKENS - 1)
+        return self.tree_width * k if self.method == "ngram" else k
+
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
         """vLLM's keys; `method` may be left out when `model` is given (a draft model), and "[ngram]" (vLLM's
