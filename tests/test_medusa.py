@@ -120,7 +120,9 @@ def test_typical_acceptance_is_opt_in_exact_when_greedy_and_keeps_what_its_rule_
         **spec, "typical_acceptance_sampler_posterior_threshold": 0.0})
     outs = run(engine, prompts, sampled)
     stats = engine.stats()
-    assert stats["spec_num_drafts"] > 0 and stats["spec_mean_accepted_length"] == HEADS + 1
+    # (a tree is cut to the depth a request has room for near its end, so a few paths are shorter)
+    assert stats["spec_num_drafts"] > 0 and stats["spec_accepted_per_position"][0] == stats["spec_num_drafts"]
+    assert stats["spec_mean_accepted_length"] > HEADS + 0.5
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     for o in outs:
         c = o.outputs[0]

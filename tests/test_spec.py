@@ -69,7 +69,7 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
 
 
 @pytest.mark.parametrize("bad,match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "mlp_speculator", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": 1000}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead is not a known key"),
@@ -78,7 +78,7 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
     ({"model": "no-such-model", "num_speculative_tokens": 2}, "draft model: unknown model 'no-such-model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 16, "tree_width": 4}, "tree_width must be an integer >= 1 with"),
-    ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to methods ngram and medusa only"),
+    ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to methods ngram, medusa and eagle only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "window_size": 3}, "window_size applies to method lookahead"),
     ({"method": "lookahead", "ngram_size": 2}, "ngram_size must be an integer >= 3"),
     ({"method": "lookahead", "num_speculative_tokens": 4}, "is set by lookahead itself"),
@@ -390,19 +390,30 @@ def test_verify_steps_padded_for_a_cuda_graph_give_the_unpadded_logits():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_cuda_graph_verify_steps_equal_eager():
-    """As test_engine's decode check: weights scaled until greedy margins dwarf rounding differences."""
+@pytest.mark.parametrize("speculative_config", [NGRAM, NGRAM_TREE, LOOKAHEAD])
+def test_cuda_graph_verify_steps_equal_eager(speculative_config):
+    """As test_engine's decode check: weights scaled until greedy margins dwarf rounding differences. Token trees
+    replay verify graphs too (their masks shifted past the padding)."""
     prompts = [[(7 * i + j) % 500 for j in range(n)] * 3 for i, n in enumerate(range(3, 20))]
     params = SamplingParams(temperature=0, max_tokens=30)
     outs = []
     for eager in (True, False):
-        engine = tiny_engine(device="cuda", enforce_eager=eager, speculative_config=NGRAM)
+        engine = tiny_engine(device="cuda", enforce_eager=eager, speculative_config=speculative_config)
         with torch.no_grad():
             for p in engine.runner.model.parameters():
                 p.mul_(6)
+        graph_for, trees = engine.runner._graph_for, []
+
+        def counting(seqs):
+            key = graph_for(seqs)
+            trees.append(key is not None and any(s.tree for s in seqs))
+            return key
+        engine.runner._graph_for = counting
         outs.append([o.outputs[0].token_ids for o in run(engine, prompts, params)])
         assert engine.stats()["spec_num_accepted_tokens"] > 0
     assert any(q > 1 for _, q in engine.runner.graphs)
+    if speculative_config is not NGRAM:
+        assert sum(trees) > 0  # trees verified by a graph
     assert outs[0] == outs[1]
 
 

@@ -20,6 +20,9 @@ of the same kinds (self-distillation, `engine/spec/medusa_train.py`), then `real
 chain (blockwise parallel decoding), greedy; and sampled at temperature 0.7, lossless and with typical
 acceptance, with the model's mean negative log-likelihood of the outputs (a lossy method's cost).
 
+`heads` (CUDA GPU, dummy weights): random Medusa heads and a random EAGLE draft on `llama-3-8b`, batch 1: the time
+of a speculating step (proposing, verifying) against a plain decode step, and the speedup at full acceptance.
+
 `trees` (CUDA GPU, dummy weights): one forward of a token tree of 16 / 32 / 64 nodes (branching 1, 2, 4: a chain
 and bushier trees, positions by depth) over a --input-len prompt in the cache, against a plain decode step, batch 1,
 both replayed as CUDA graphs; and each node's logits against its root-to-node path's own forward (beside the same
@@ -507,10 +510,105 @@ def trees(args) -> dict:
     return out
 
 
+def heads(args) -> dict:
+    """Medusa heads and an EAGLE draft on random `llama-3-8b` weights (bf16, batch 1): random heads accept
+    nothing meaningful, so this shows the mechanics: the time of a speculating step (proposing, then verifying
+    the tree as a CUDA graph) against a plain decode step, and the speedup it would give were every proposal
+    right, (depth + 1) x plain / step."""
+    from flashpage import LLM
+    from flashpage.engine.spec.medusa import MedusaHeads
+    from flashpage.engine.spec.medusa_train import save_medusa
+    from safetensors.torch import save_file
+
+    cuda = args.device != "cpu"
+    max_len = args.input_len + args.max_tokens + 80
+    llm = LLM(args.model, load_format="dummy", dtype=args.dtype if cuda else "float32", device=args.device,
+              max_model_len=max_len, max_num_seqs=1, num_gpu_blocks=4 * -(-max_len // 16))
+    c, dev = llm.config, llm.engine.runner.device
+    dtype = llm.engine.runner.dtype
+    gen = torch.Generator(device=dev).manual_seed(0)
+    root = Path(args.heads or "/tmp/flashpage-random-heads")
+    medusa_dir, eagle_dir = root / "medusa", root / "eagle"
+    with torch.no_grad():
+        if not (medusa_dir / "config.json").exists():
+            m = MedusaHeads(c.hidden_size, c.vocab_size, args.k, 1, False).to(dev, dtype)
+            for p_ in m.parameters():
+                p_.normal_(0, 0.02, generator=gen)
+            save_medusa(m, medusa_dir, dtype)
+            del m
+        if not (eagle_dir / "config.json").exists():
+            h, inter = c.hidden_size, c.intermediate_size
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
+                      "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
+                      "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
+                      "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
+            tensors = {n: torch.empty(s_, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen).cpu()
+                       for n, s_ in shapes.items()}
+            tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+            eagle_dir.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, eagle_dir / "model.safetensors")
+            (eagle_dir / "config.json").write_text(json.dumps({
+                "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": inter,
+                "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                "head_dim": c.head_dim, "vocab_size": c.vocab_size, "num_hidden_layers": 1,
+                "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "rms_norm_eps": c.rms_norm_eps,
+                "max_position_embeddings": c.max_position_embeddings}))
+            del tensors
+    prompt = torch.randint(c.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def steps_timed(engine) -> tuple[float, int]:
+        """Seconds and steps of one greedy request."""
+        sync()
+        start, steps = time.perf_counter(), 0
+        engine.add_request("r", prompt, greedy)
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        return time.perf_counter() - start, steps
+
+    plain = engine_over(llm, max_num_seqs=1)
+    steps_timed(plain)
+    plain_s, plain_steps = steps_timed(plain)
+    first_s, _ = run_alone(plain, prompt, SamplingParams(temperature=0, max_tokens=1))
+    plain_ms = (plain_s - first_s) / (plain_steps - 1) * 1e3
+    del plain
+    free_memory()
+    print(f"plain decode: {plain_ms:.2f} ms/token (after the first token)")
+    out = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "model": args.model, "dtype": str(dtype),
+           "input_len": args.input_len, "output_len": args.max_tokens, "plain_ms_per_token": plain_ms, "runs": []}
+    for name, spec in [("medusa, 4 heads, chain", {"method": "medusa", "model": str(medusa_dir), "tree_width": 1}),
+                       ("medusa, 4 heads, 16-node tree", {"method": "medusa", "model": str(medusa_dir)}),
+                       ("medusa, 4 heads, 63-node tree", {"method": "medusa", "model": str(medusa_dir),
+                                                         "tree_width": 16}),
+                       ("eagle, depth 4, chain", {"method": "eagle", "model": str(eagle_dir),
+                                                  "num_speculative_tokens": args.k, "tree_width": 1}),
+                       ("eagle, depth 4, 16-node tree", {"method": "eagle", "model": str(eagle_dir),
+                                                         "num_speculative_tokens": args.k})]:
+        engine = engine_over(llm, max_num_seqs=1, speculative_config=spec)
+        steps_timed(engine)  # warm-up: the draft's kernels compile for these shapes
+        total_s, steps = steps_timed(engine)
+        stats = engine.stats()
+        step_ms = (total_s - first_s) / (steps - 1) * 1e3
+        depth = engine.spec.num_speculative_tokens
+        r = {"name": name, "speculative_config": spec, "steps": steps, "step_ms": step_ms,
+             "vs_decode": step_ms / plain_ms, "tokens_per_step": stats["spec_mean_accepted_length"],
+             "full_acceptance_speedup": (depth + 1) * plain_ms / step_ms, "graphs": len(engine.runner.graphs)}
+        out["runs"].append(r)
+        print(f"{name:32s} step {step_ms:6.2f} ms = {r['vs_decode']:.2f}x a decode step, "
+              f"{r['tokens_per_step']:.2f} tokens/step (random weights); at full acceptance "
+              f"{r['full_acceptance_speedup']:.2f}x", flush=True)
+        del engine
+        free_memory()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["real", "medusa", "mechanics", "trees", "sot", "plot"], nargs="?", default="real",
+    p.add_argument("suite", choices=["real", "medusa", "heads", "mechanics", "trees", "sot", "plot"], nargs="?",
+                   default="real",
                    help="plot: the curve of a mechanics JSON (--out) as a PNG beside it")
     p.add_argument("--model", default=None, help="real: the default model; mechanics, trees: llama-3-8b (dummy)")
     p.add_argument("--device", default="auto")
@@ -541,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {"real": real, "sot": sot, "medusa": medusa}[args.suite](args)
     else:
         args.model = args.model or "llama-3-8b"
-        results = mechanics(args) if args.suite == "mechanics" else trees(args)
+        results = {"mechanics": mechanics, "trees": trees, "heads": heads}[args.suite](args)
     results["date"] = time.strftime("%Y-%m-%d")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,9 +22,10 @@ from flashpage.engine.sparse import SparseStats
 from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec import SpecStats, make_proposer
 from flashpage.engine.spec.draft import draft_bytes_per_block, load_draft
+from flashpage.engine.spec.eagle import eagle_bytes_per_block
 from flashpage.engine.spec.medusa import with_head_count
 from flashpage.engine.spec.typical import kept_token, typical_walk
-from flashpage.engine.step import SampledToken
+from flashpage.engine.step import SampledToken, StepPlan
 from flashpage.engine.structured import StructuredOutputs
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
@@ -40,6 +41,7 @@ class InFlight:
     """A launched step whose tokens are still on their way back."""
     future: StepFuture
     overlap: bool  # the next step may be scheduled before this one is read back
+    plan: StepPlan
 
 
 @dataclass
@@ -59,6 +61,10 @@ class LLMEngine:
         cfg = with_head_count(cfg)  # (Medusa: how many heads, before the runner sizes its verify graphs)
         self.spec = cfg.speculative
         self.typical = self.spec is not None and self.spec.acceptance_method == "typical_acceptance_sampler"
+        method = self.spec.method if self.spec else None
+        if method in ("medusa", "eagle") and cfg.tensor_parallel_size > 1:
+            raise ParameterError("speculative_config.method", f"speculative_config: {method} reads the target's "
+                                 f"hidden states whole, on one rank: not with tensor_parallel_size > 1 yet")
         self.workers = None
         if cfg.tensor_parallel_size > 1:
             if loaded is not None:
@@ -66,9 +72,11 @@ class LLMEngine:
             cfg, self.workers = start_workers(cfg, model_config(cfg))
         # a draft model's weights are loaded first, and the target's KV cache leaves room for the draft's (the
         # draft runs whole on the driver)
-        draft = load_draft(self.spec, cfg) if self.spec and self.spec.method == "draft_model" else None
+        draft = load_draft(self.spec, cfg) if method == "draft_model" else None
         tp = self.workers.tp if self.workers else None
-        self.runner = ModelRunner(cfg, loaded, draft_bytes_per_block(draft, cfg.block_size) if draft else 0, tp)
+        reserve = draft_bytes_per_block(draft, cfg.block_size) if draft else \
+            eagle_bytes_per_block(self.spec.model, cfg.block_size) if method == "eagle" else 0
+        self.runner = ModelRunner(cfg, loaded, reserve, tp)
         self.cfg = cfg = self.runner.cfg  # device, kernels and max_model_len resolved
         self.config, self.tokenizer = self.runner.config, self.runner.tokenizer
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -237,7 +245,7 @@ class LLMEngine:
             # proposals (and how many tokens a verification keeps decides the next step's positions).
             overlap = self.cfg.overlap and not speculate and not any(s.row.params.needs_history for s in plan.samples)
             draft_probs = self.proposer.probs if self.proposer else None
-            launched = InFlight(self.runner.step(plan, draft_probs, self._token_bitmask(plan)), overlap)
+            launched = InFlight(self.runner.step(plan, draft_probs, self._token_bitmask(plan)), overlap, plan)
         outputs = self._early_outputs if self._early_outputs is not None else \
             self._read_back(self.in_flight) if self.in_flight else []
         self.in_flight = launched
@@ -290,6 +298,8 @@ class LLMEngine:
             if seq_id in self.seqs:
                 self.seqs[seq_id].prompt_logprobs += [self._logprobs_entry(t) for t in tokens]
         now = time.time()
+        if hasattr(self.proposer, "take_features"):  # (a proposer that reads the target's features of every token)
+            self.proposer.take_features(step.plan, result.hidden)
         observe = getattr(self.proposer, "observe", None)
         # a sequence's samples are adjacent: (index of its first, its tokens)
         for seq_id, group in itertools.groupby(enumerate(result.sampled), key=lambda p: p[1].seq_id):
@@ -314,8 +324,8 @@ class LLMEngine:
                         emitted[j] = kept_token(seq_id, proposal[node], result.logits[first + rows[j]], emitted[j])
                 drawn = emitted
             if observe:
-                observe(seq, drawn_ids, rows, result.hidden[first:first + len(drawn_ids)]
-                        if result.hidden is not None else None)
+                observe(seq, drawn_ids, rows, None if result.hidden is None else result.hidden[
+                    result.sample_rows[first]:result.sample_rows[first + len(drawn_ids) - 1] + 1])
             for sampled in drawn:
                 self._append(seq, sampled)
                 if seq.finished:

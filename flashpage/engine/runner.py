@@ -63,13 +63,13 @@ class StepFuture:
     """One step's results on their way to the host; `result()` waits for them."""
 
     def __init__(self, samples: list[SampleSpec], sampled, prompt: dict[int, tuple], cuda: bool,
-                 hidden: torch.Tensor | None, logits: torch.Tensor):
+                 hidden: torch.Tensor | None, sample_rows: list[int], logits: torch.Tensor):
         def to_host(t):
             if t is None or not cuda:
                 return t
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
-        self.samples, self.hidden, self.logits = samples, hidden, logits
+        self.samples, self.hidden, self.sample_rows, self.logits = samples, hidden, sample_rows, logits
         self.tensors = [to_host(t) for t in (sampled.tokens, sampled.logprobs, sampled.ranks, sampled.top_ids,
                                              sampled.top_logprobs)]
         self.prompt = {seq_id: (targets, *(to_host(t) for t in tensors)) for seq_id, (targets, *tensors) in prompt.items()}
@@ -81,7 +81,7 @@ class StepFuture:
         if self.done is not None:
             self.done.synchronize()
         tokens, logprobs, ranks, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
-        out = StepResult(hidden=self.hidden, logits=self.logits)
+        out = StepResult(hidden=self.hidden, sample_rows=self.sample_rows, logits=self.logits)
         for i, spec in enumerate(self.samples):
             k = spec.row.params.logprobs
             if k is None:
@@ -158,8 +158,8 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
-        # A proposer that drafts from the target's own features (Medusa heads) sets this: each step's result then
-        # carries the last layer's residual stream at every sample's row (StepResult.hidden).
+        # A proposer that drafts from the target's own features (Medusa, EAGLE) sets this: each step's result then
+        # carries the last layer's residual stream at every token it computed (StepResult.hidden).
         self.keep_hidden = False
         # (batch size, tokens per sequence) -> (graph, hidden states, logits)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -196,14 +196,12 @@ class ModelRunner:
         dev = self.device
         if self.tp.size > 1:  # the other ranks need the sequences, not the samples (only this rank samples)
             self.tp.broadcast_object(dataclasses.replace(plan, samples=[]))
-        logits, prompt_logits, hidden = self.forward(plan)
+        logits, prompt_logits, hidden, logits_rows = self.forward(plan)
         prompt = {seq_id: (targets, *self._prompt_logprobs(rows, targets, k))
                   for seq_id, (rows, targets, k) in prompt_logits.items()}
         picked = [spec.logits_row for spec in plan.samples]
         if picked != list(range(logits.shape[0])):  # forked samples repeat their parent's row (no host sync)
-            index = upload(picked, torch.int64, dev)
-            logits = logits.index_select(0, index)
-            hidden = hidden.index_select(0, index) if hidden is not None else None
+            logits = logits.index_select(0, upload(picked, torch.int64, dev))
         self.last_logits = logits
         draft_tokens = None
         if any(spec.draft_token >= 0 for spec in plan.samples):
@@ -216,14 +214,16 @@ class ModelRunner:
         sampled = sample_rows(self.model.ops, logits, [spec.row for spec in plan.samples], draft_tokens, draft_probs,
                               bitmask)
         self.last_sampled = sampled.tokens
-        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda", hidden, logits)
+        return StepFuture(plan.samples, sampled, prompt, dev.type == "cuda", hidden,
+                          [logits_rows[r] for r in picked] if hidden is not None else [], logits)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, list[int], int]],
-                                               torch.Tensor | None]:
+                                               torch.Tensor | None, list[int]]:
         """What every rank runs of a step: block copies, inputs, the forward pass and the logits rows. Returns the
         logits, for sequences that asked for prompt log-probs {seq_id: (their prompt rows' logits, the targets,
-        k)}, and (with `keep_hidden`) the last layer's residual stream at the logits rows (a copy), else None."""
+        k)}, with `keep_hidden` the last layer's residual stream at each token of the plan, in plan order (else
+        None), and the row of that of each logits row."""
         dev = self.device
         if plan.moves:  # a verified tree's kept tokens into their places (before any block copy reuses a block)
             src = upload([m[0] for m in plan.moves], torch.int64, dev)
@@ -261,16 +261,17 @@ class ModelRunner:
             rows = inputs.logits_index
             index = upload(rows, torch.int64, dev)
             logits = logits[:len(rows)] if rows == list(range(len(rows))) else logits.index_select(0, index)
-            if self.keep_hidden:  # (a copy: the next replay overwrites the graph's buffer)
+            if self.keep_hidden:  # every real token gives logits (a copy: the next replay overwrites the buffer)
                 kept = hidden.index_select(0, index)
+            rows = list(range(len(rows)))
         else:
             hidden = self.model(ids, meta, self.kv_caches)
             # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory,
             # which makes the host wait for the whole forward pass and leaves the GPU idle meanwhile.
             rows = inputs.logits_index
-            hidden_rows = hidden.index_select(0, upload(rows, torch.int64, dev)) if len(rows) < len(ids) else hidden
-            logits = self.model.compute_logits(hidden_rows)
-            kept = hidden_rows if self.keep_hidden else None
+            logits = self.model.compute_logits(
+                hidden.index_select(0, upload(rows, torch.int64, dev)) if len(rows) < len(ids) else hidden)
+            kept = hidden if self.keep_hidden else None
             start = 0
             for s in seqs:
                 if s.prompt_logprobs is not None:
@@ -278,7 +279,7 @@ class ModelRunner:
                     prompt[s.seq_id] = (self.model.compute_logits(hidden[first:first + len(s.prompt_targets)]),
                                         s.prompt_targets, s.prompt_logprobs)
                 start += len(s.token_ids)
-        return logits, prompt, kept
+        return logits, prompt, kept, rows
 
     def _prompt_logprobs(self, logits: torch.Tensor, targets: list[int], k: int):
         """Log-probabilities of the prompt tokens that rows of `logits` predict, and the top-k of each row."""

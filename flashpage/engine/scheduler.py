@@ -21,7 +21,7 @@ from collections import deque
 
 from flashpage.engine.sequence import FINISHED, PENDING, RUNNING, WAITING, Sequence
 from flashpage.engine.step import SampleSpec, SeqStep, StepPlan
-from flashpage.kernels.tree import ancestors, depths
+from flashpage.kernels.tree import ancestors, depths, within_depth
 from flashpage.kv import BlockManager, slot
 
 log = logging.getLogger("flashpage.scheduler")
@@ -56,12 +56,17 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_uncomputed, budget)
-            proposal = seq.proposal[:max(0, min(budget - n, seq.room(self.max_model_len) - 1))] \
-                if seq.proposal and n == seq.num_uncomputed and not seq.num_pending else []
-            if seq.proposal_parents and len(proposal) < len(seq.proposal):  # a tree is verified whole or not at all
-                proposal = []
+            proposal, parents = [], None
+            if seq.proposal and n == seq.num_uncomputed and not seq.num_pending:
+                room = seq.room(self.max_model_len) - 1  # proposed tokens a path may still emit
+                if seq.proposal_parents:  # a tree: cut to the room's depth, then verified whole or not at all
+                    proposal, parents = within_depth(seq.proposal, seq.proposal_parents, room)
+                    if len(proposal) > budget - n or seq.num_computed + n + len(proposal) > self.max_model_len:
+                        proposal, parents = [], None  # (its slots too stay within the context)
+                else:
+                    proposal = seq.proposal[:max(0, min(budget - n, room))]
             if self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > self.bm.num_free_blocks:
-                proposal = []
+                proposal, parents = [], None
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -70,8 +75,7 @@ class Scheduler:
                     break
             if seq.status != RUNNING:
                 break  # it was the newest: everything after it is preempted too
-            forked = self._schedule(seq, n, out, proposal, seq.proposal_rows,
-                                    seq.proposal_parents if proposal else None)
+            forked = self._schedule(seq, n, out, proposal, seq.proposal_rows, parents if proposal else None)
             budget -= n + len(proposal)
             i += 1 + forked  # samples forked off it now are computed from the next step on
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -89,8 +89,10 @@ class SampledToken:
 class StepResult:
     sampled: list[SampledToken] = field(default_factory=list)  # in plan order: a sequence's tokens in turn
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)  # seq_id -> one per target
-    # On the device, a row per sample: the last layer's residual stream where the runner keeps it (else None), and
-    # the logits each token was drawn from, after masks and penalties (a CUDA graph's rows are overwritten by the
-    # runner's next step: read them before it)
+    # Where the runner keeps it (else None): the last layer's residual stream at every token the step computed, in
+    # plan order, on the device; and each sample's row of it
     hidden: torch.Tensor | None = None
+    sample_rows: list[int] = field(default_factory=list)
+    # On the device, a row per sample: the logits each token was drawn from, after masks and penalties (a CUDA
+    # graph's rows are overwritten by the runner's next step: read them before it)
     logits: torch.Tensor | None = None

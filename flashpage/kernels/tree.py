@@ -42,6 +42,18 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def within_depth(tokens: list[int], parents: list[int], depth: int) -> tuple[list[int], list[int]]:
+    """The nodes of a tree (parents first) on paths of at most `depth` nodes, parents renumbered."""
+    place: dict[int, int] = {}
+    kept_tokens, kept_parents = [], []
+    for i, (t, d) in enumerate(zip(tokens, depths(parents))):
+        if d < depth:
+            place[i] = len(kept_tokens)
+            kept_tokens.append(t)
+            kept_parents.append(place[parents[i]] if parents[i] >= 0 else -1)
+    return kept_tokens, kept_parents
+
+
 def ancestors(parents: list[int], i: int) -> list[int]:
     """The path from node i's root down to node i (both included)."""
     path = []

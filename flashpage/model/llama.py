@@ -148,10 +148,10 @@ class Attention(nn.Module):
             raise ValueError("holds a scale that is not a positive number")
         self.kv_cache_scales[kind] = t[self.kv_start:self.kv_start + self.num_kv_heads].clone()
 
-    def forward(self, ops, h, norm: RMSNorm, cos, sin, meta, kv_cache):
-        """h + attention(norm(h))."""
-        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
-                         weight_scale=self.qkv_proj.weight_scale)
+    def forward(self, ops, h, norm: RMSNorm | None, cos, sin, meta, kv_cache):
+        """h + attention(norm(h)) (no norm: h + attention(h), as an EAGLE draft's first layer)."""
+        qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm and norm.weight,
+                         eps=norm.eps if norm else 0.0, weight_scale=self.qkv_proj.weight_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -195,6 +195,14 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
+
+
+def fused_name(name: str) -> tuple[str, int | None]:
+    """A transformers tensor name's parameter here, and its shard of a fused projection (None: whole)."""
+    for frag, (fused, idx) in _STACKED.items():
+        if frag in name:
+            return name.replace(frag, fused), idx
+    return name, None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -256,11 +264,7 @@ class LlamaForCausalLM(nn.Module):
                 except (AttributeError, ValueError) as e:
                     raise ValueError(f"tensor {name!r} {e}") from None
                 continue
-            target, shard = name, None
-            for frag, (fused, idx) in _STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, fused), idx
-                    break
+            target, shard = fused_name(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
             module = self.get_submodule(target.rpartition(".")[0])

@@ -1,5 +1,5 @@
-"""Speculative decoding: proposers (prompt lookup, a draft model, lookahead decoding, Medusa heads) whose tokens
-one target step verifies.
+"""Speculative decoding: proposers (prompt lookup, a draft model, lookahead decoding, Medusa heads, an EAGLE
+draft) whose tokens one target step verifies.
 
 A proposer sets `seq.proposal` for decoding sequences before the step is scheduled; the scheduler computes those
 tokens with the sequence's last one, and the engine keeps the verified prefix (engine/llm_engine.py)."""
@@ -15,7 +15,7 @@ def make_proposer(spec: SpeculativeConfig, cfg, runner, draft=None):
     is what the target's step needs of it (a draft's q rows, or None), and `release(seq_id)` forgets a sequence.
     One that learns from each step has `observe(seq, drawn, emitted, hidden)`: the tokens drawn at the sequence's
     sample rows, the rows whose tokens were emitted, and (where it set `runner.keep_hidden`) the target's hidden
-    states at those rows."""
+    states at those rows. One that reads the target's features of every token has `take_features(plan, hidden)`."""
     if spec.method == "ngram":
         return NgramProposer(spec)
     if spec.method == "lookahead":
@@ -24,6 +24,9 @@ def make_proposer(spec: SpeculativeConfig, cfg, runner, draft=None):
     if spec.method == "medusa":
         from flashpage.engine.spec.medusa import MedusaProposer
         return MedusaProposer(spec, runner)
+    if spec.method == "eagle":
+        from flashpage.engine.spec.eagle import EagleProposer
+        return EagleProposer(spec, cfg, runner)
     from flashpage.engine.spec.draft import DraftProposer
     return DraftProposer(spec, cfg, runner, draft)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from flashpage.errors import DictSetting
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 
-METHODS = ("ngram", "draft_model", "lookahead", "medusa")
+METHODS = ("ngram", "draft_model", "lookahead", "medusa", "eagle")
 ACCEPTANCE = ("rejection_sampler", "typical_acceptance_sampler")
-MEDUSA_TREE_WIDTH = 4  # medusa's default: up to 4 guesses of each head, 4 x num_speculative_tokens nodes
+HEADS_TREE_WIDTH = 4  # medusa's and eagle's default: 4 guesses a node, 4 x num_speculative_tokens nodes
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify step costs more than the tokens it can win (docs/spec.md)
 
 
@@ -18,7 +18,8 @@ MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify step costs more than the tok
 class SpeculativeConfig:
     method: str  # "ngram": prompt lookup; "draft_model": a smaller model with the target's vocabulary;
     # "lookahead": lookahead decoding (Jacobi guesses and their n-grams, engine/spec/lookahead.py); "medusa":
-    # Medusa heads on the target's hidden state (engine/spec/medusa.py)
+    # Medusa heads on the target's hidden state (engine/spec/medusa.py); "eagle": an EAGLE draft layer on the
+    # target's features, EAGLE-2's dynamic trees (engine/spec/eagle.py)
     # k: tokens proposed per sequence and step (lookahead: its tree's depth, set for it; medusa: the heads used,
     # default all of the checkpoint's, None until the engine reads them)
     num_speculative_tokens: int | None
@@ -27,7 +28,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest (the longest match found wins)
     # ngram: up to this many distinct continuations (the latest matches of the longest suffix that has any),
     # merged into one token tree verified in one step (SpecInfer); 1: one chain. medusa (default 4): up to this
-    # many guesses of each head, width x k nodes, the likeliest paths; 1: a chain (blockwise parallel decoding)
+    # many guesses of each head, width x k nodes, the likeliest paths; 1: a chain (blockwise parallel decoding).
+    # eagle (default 4): each level expands its `width` likeliest nodes by their `width` likeliest tokens, and the
+    # tree keeps the width x k likeliest nodes of all (EAGLE-2); 1: a chain
     tree_width: int = 1
     # medusa: the tree as Medusa's code writes it (paths of head ranks, e.g. [[0], [1], [0, 0]]), instead of
     # tree_width's
@@ -50,7 +53,7 @@ class SpeculativeConfig:
 
     @property
     def proposes_trees(self) -> bool:
-        return self.method == "lookahead" or (self.method in ("ngram", "medusa") and self.tree_width > 1) or \
+        return self.method == "lookahead" or (self.method in ("ngram", "medusa", "eagle") and self.tree_width > 1) or \
             (self.medusa_choices is not None and any(p[-1] > 0 for p in self.medusa_choices))
 
     @property
@@ -62,7 +65,7 @@ class SpeculativeConfig:
             return (w - 1) + w * (n - 2) + g * (n - 1)
         if self.method == "medusa":
             return len(self.medusa_choices) if self.medusa_choices else min(self.tree_width * k, MAX_TREE_TOKENS - 1)
-        return self.tree_width * k if self.method == "ngram" else k
+        return self.tree_width * k if self.method in ("ngram", "eagle") else k
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
@@ -97,12 +100,17 @@ class SpeculativeConfig:
                 if "tree_width" in d:
                     bad("tree_width", "and medusa_choices both shape the tree: give one")
                 d["medusa_choices"] = medusa_choices(d["medusa_choices"], bad)
-            setting.integer("tree_width", 1, MEDUSA_TREE_WIDTH)
-            d.setdefault("tree_width", MEDUSA_TREE_WIDTH)
+            setting.integer("tree_width", 1, HEADS_TREE_WIDTH)
+            d.setdefault("tree_width", HEADS_TREE_WIDTH)
             # (left out: the heads' count, read with them before the engine starts; engine/spec/medusa.py)
             d.setdefault("num_speculative_tokens", None)
         elif "medusa_choices" in d:
             bad("medusa_choices", "applies to method medusa only")
+        if d["method"] == "eagle":
+            if not isinstance(d.get("model"), str):
+                bad("model", "must name the EAGLE draft's checkpoint (a directory or Hub id)")
+            setting.integer("tree_width", 1, HEADS_TREE_WIDTH)
+            d.setdefault("tree_width", HEADS_TREE_WIDTH)
         lookahead_keys = ("window_size", "ngram_size", "guess_set_size")
         if d["method"] == "lookahead":
             for key, low in zip(lookahead_keys, (1, 3, 1)):
@@ -142,8 +150,12 @@ class SpeculativeConfig:
             if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width * k >= MAX_TREE_TOKENS:
                 bad("tree_width", f"must be an integer >= 1 with tree_width x num_speculative_tokens < "
                                   f"{MAX_TREE_TOKENS} (a tree and the token before it), got {width!r}")
+        elif d["method"] == "eagle":
+            if d["tree_width"] * k >= MAX_TREE_TOKENS:
+                bad("tree_width", f"x num_speculative_tokens must be fewer than {MAX_TREE_TOKENS} (the tree's nodes "
+                                  f"and the token before them), got {d['tree_width']} x {k}")
         elif d.get("tree_width", 1) != 1 and d["method"] != "medusa":
-            bad("tree_width", "applies to methods ngram and medusa only")
+            bad("tree_width", "applies to methods ngram, medusa and eagle only")
         limit = d.get("disable_by_batch_size")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             bad("disable_by_batch_size", f"must be an integer >= 1 or None, got {limit!r}")

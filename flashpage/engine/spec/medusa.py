@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 import re
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from flashpage.engine.spec.checkpoint import checkpoint_dir, read_config, read_tensors
 from flashpage.errors import ParameterError
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 
@@ -48,24 +48,18 @@ def _bad(message: str) -> ParameterError:
 
 
 def heads_dir(model: str) -> Path:
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from flashpage.loader.hub import is_hub_id, resolve_hub_model
-    if not path.exists() and is_hub_id(model):
-        try:
-            return resolve_hub_model(model, extra_patterns=["*.pt", "*.bin"])
-        except ValueError as e:
-            raise _bad(str(e)) from None
-    raise _bad(f"{model!r} is not a directory of Medusa heads (config.json and the heads' weights)")
+    try:
+        return checkpoint_dir(model, "Medusa heads")
+    except ValueError as e:
+        raise _bad(str(e)) from None
 
 
 def read_layout(path: Path) -> tuple[int, int, dict]:
     """(heads, residual blocks per head, config) of the checkpoint in `path`."""
     try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise _bad(f"cannot read {path / 'config.json'}: {e}") from None
+        config = read_config(path)
+    except ValueError as e:
+        raise _bad(str(e)) from None
     heads = config.get("medusa_num_heads", config.get("num_heads"))
     layers = config.get("medusa_num_layers", config.get("num_hidden_layers", 1))
     if not isinstance(heads, int) or heads < 1 or not isinstance(layers, int) or layers < 0:
@@ -90,16 +84,6 @@ def with_head_count(cfg):
         raise ParameterError("speculative_config.medusa_choices", f"speculative_config: medusa_choices has paths "
                              f"deeper than the checkpoint's {heads} heads")
     return dataclasses.replace(cfg, speculative_config={**cfg.speculative_config, "num_speculative_tokens": k or heads})
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    file = next((path / name for name in WEIGHT_FILES if (path / name).exists()), None)
-    if file is None:
-        raise _bad(f"{path} holds none of {', '.join(WEIGHT_FILES)}")
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        return load_file(file)
-    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _our_name(name: str, layers: int) -> str | None:
@@ -145,7 +129,11 @@ def load_medusa(model: str, hidden_size: int, vocab_size: int, dtype: torch.dtyp
     heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, shared)
     params = dict(heads.named_parameters())
     filled = set()
-    for name, tensor in _tensors(path).items():
+    try:
+        tensors = read_tensors(path, WEIGHT_FILES)
+    except ValueError as e:
+        raise _bad(str(e)) from None
+    for name, tensor in tensors.items():
         ours = _our_name(name, num_layers)
         if ours is None or (shared and ours.startswith("lm_heads.") and ours != "lm_heads.0.weight"):
             continue

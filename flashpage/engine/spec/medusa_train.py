@@ -64,8 +64,8 @@ def train_medusa(model, sequences: list[list[int]], num_heads: int, num_layers: 
     return heads.eval()
 
 
-def save_medusa(heads: MedusaHeads, path: str | Path) -> None:
-    """Write `heads` in Medusa's own layout: config.json and medusa_lm_head.safetensors."""
+def save_medusa(heads: MedusaHeads, path: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write `heads` in Medusa's own layout: config.json and medusa_lm_head.safetensors (tensors in `dtype`)."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -77,7 +77,7 @@ def save_medusa(heads: MedusaHeads, path: str | Path) -> None:
             tensors[f"{i}.{j}.linear.weight"] = layer.weight
             tensors[f"{i}.{j}.linear.bias"] = layer.bias
         tensors[f"{i}.{num_layers}.weight"] = heads.lm_heads[i].weight
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()},
+    save_file({k: v.detach().to(dtype).cpu().contiguous() for k, v in tensors.items()},
               path / "medusa_lm_head.safetensors")
     hidden, vocab = heads.lm_heads[0].weight.shape[1], heads.lm_heads[0].weight.shape[0]
     (path / "config.json").write_text(json.dumps({"medusa_num_heads": len(heads.blocks),
