@@ -78,7 +78,7 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
     ({"model": "no-such-model", "num_speculative_tokens": 2}, "draft model: unknown model 'no-such-model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "ngram", "num_speculative_tokens": 16, "tree_width": 4}, "tree_width must be an integer >= 1 with"),
-    ({"model": "x", "num_speculative_tokens": 2, "tree_width": 2}, "tree_width applies to methods ngram, medusa and eagle only"),
+    ({"method": "lookahead", "tree_width": 2}, "tree_width applies to methods ngram, draft_model, medusa and eagle only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "window_size": 3}, "window_size applies to method lookahead"),
     ({"method": "lookahead", "ngram_size": 2}, "ngram_size must be an integer >= 3"),
     ({"method": "lookahead", "num_speculative_tokens": 4}, "is set by lookahead itself"),
@@ -252,16 +252,23 @@ def tiny_pair(tiny_checkpoints, tmp_path_factory):
     return str(path), str(out)
 
 
-def test_draft_model_greedy_identity_with_rejections_and_draft_rollback(tiny_pair):
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_draft_model_greedy_identity_with_rejections_and_draft_rollback(tiny_pair, tree_width):
+    """tree_width 3: the draft proposes trees of its likeliest tokens (EAGLE-2's search) instead of sampled chains;
+    point masses, so seeded sampled requests keep their tokens too."""
     target, draft = tiny_pair
     rng = random.Random(int(torch.randint(1 << 30, ())))
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 9, 40, 70, 17, 3)]
-    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    params = [SamplingParams(temperature=0 if i % 2 or tree_width == 1 else 0.8, seed=i, max_tokens=25,
+                             ignore_eos=True) for i in range(len(prompts))]
     base = run(LLMEngine(EngineConfig(model=target, device="cpu")), prompts, params)
-    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_batched_tokens=32, num_gpu_blocks=16,
-                                    speculative_config={"model": draft, "num_speculative_tokens": 3}))
+    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_batched_tokens=32, num_gpu_blocks=9,
+                                    speculative_config={"model": draft, "num_speculative_tokens": 3,
+                                                        "tree_width": tree_width}))
+    trees = count_trees(engine)
     outs = run(engine, prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [b.outputs[0].token_ids for b in base]
+    assert (trees[0] > 0) == (tree_width > 1)
     stats = engine.stats()
     assert 0 < stats["spec_acceptance_rate"] < 1 and stats["num_preemptions"] > 0
     assert stats["spec_accepted_per_position"][0] >= stats["spec_accepted_per_position"][-1]

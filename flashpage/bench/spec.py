@@ -585,8 +585,12 @@ def heads(args) -> dict:
                        ("eagle, depth 4, chain", {"method": "eagle", "model": str(eagle_dir),
                                                   "num_speculative_tokens": args.k, "tree_width": 1}),
                        ("eagle, depth 4, 16-node tree", {"method": "eagle", "model": str(eagle_dir),
-                                                         "num_speculative_tokens": args.k})]:
-        engine = engine_over(llm, max_num_seqs=1, speculative_config=spec)
+                                                         "num_speculative_tokens": args.k}),
+                       (f"draft {args.draft}, depth 4, 16-node tree", {"model": args.draft, "tree_width": 4,
+                                                                      "num_speculative_tokens": args.k})]:
+        if spec.get("model") is None:
+            continue
+        engine = engine_over(llm, max_num_seqs=1, speculative_config=spec, load_format="dummy")
         steps_timed(engine)  # warm-up: the draft's kernels compile for these shapes
         total_s, steps = steps_timed(engine)
         stats = engine.stats()
@@ -624,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="mechanics: the weights' dtype (float32: the oracle's answers "
                    "survive the rounding differences between decode and verify steps, see the suite's notes)")
     p.add_argument("--skip-verify-steps", action="store_true", help="mechanics: leave out part 1")
-    p.add_argument("--draft", default=None, help="mechanics: a draft model preset (dummy weights), e.g. llama-3.2-1b")
+    p.add_argument("--draft", default=None, help="mechanics, heads: a draft model preset (dummy weights), e.g. "
+                   "llama-3.2-1b")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.suite == "plot":

@@ -29,8 +29,9 @@ class SpeculativeConfig:
     # ngram: up to this many distinct continuations (the latest matches of the longest suffix that has any),
     # merged into one token tree verified in one step (SpecInfer); 1: one chain. medusa (default 4): up to this
     # many guesses of each head, width x k nodes, the likeliest paths; 1: a chain (blockwise parallel decoding).
-    # eagle (default 4): each level expands its `width` likeliest nodes by their `width` likeliest tokens, and the
-    # tree keeps the width x k likeliest nodes of all (EAGLE-2); 1: a chain
+    # eagle (default 4), draft_model (default 1): each level expands its `width` likeliest nodes by their `width`
+    # likeliest tokens, and the tree keeps the width x k likeliest nodes of all (EAGLE-2; a draft model's then
+    # proposes its likeliest tokens, not sampled ones); 1: a chain
     tree_width: int = 1
     # medusa: the tree as Medusa's code writes it (paths of head ranks, e.g. [[0], [1], [0, 0]]), instead of
     # tree_width's
@@ -53,7 +54,7 @@ class SpeculativeConfig:
 
     @property
     def proposes_trees(self) -> bool:
-        return self.method == "lookahead" or (self.method in ("ngram", "medusa", "eagle") and self.tree_width > 1) or \
+        return self.method == "lookahead" or self.tree_width > 1 or \
             (self.medusa_choices is not None and any(p[-1] > 0 for p in self.medusa_choices))
 
     @property
@@ -65,7 +66,7 @@ class SpeculativeConfig:
             return (w - 1) + w * (n - 2) + g * (n - 1)
         if self.method == "medusa":
             return len(self.medusa_choices) if self.medusa_choices else min(self.tree_width * k, MAX_TREE_TOKENS - 1)
-        return self.tree_width * k if self.method in ("ngram", "eagle") else k
+        return self.tree_width * k
 
     @classmethod
     def from_dict(cls, d: dict) -> SpeculativeConfig:
@@ -150,12 +151,14 @@ class SpeculativeConfig:
             if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width * k >= MAX_TREE_TOKENS:
                 bad("tree_width", f"must be an integer >= 1 with tree_width x num_speculative_tokens < "
                                   f"{MAX_TREE_TOKENS} (a tree and the token before it), got {width!r}")
-        elif d["method"] == "eagle":
+        elif d["method"] in ("eagle", "draft_model"):
+            d.setdefault("tree_width", 1)
+            setting.integer("tree_width", 1, 1)
             if d["tree_width"] * k >= MAX_TREE_TOKENS:
                 bad("tree_width", f"x num_speculative_tokens must be fewer than {MAX_TREE_TOKENS} (the tree's nodes "
                                   f"and the token before them), got {d['tree_width']} x {k}")
         elif d.get("tree_width", 1) != 1 and d["method"] != "medusa":
-            bad("tree_width", "applies to methods ngram, medusa and eagle only")
+            bad("tree_width", "applies to methods ngram, draft_model, medusa and eagle only")
         limit = d.get("disable_by_batch_size")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
             bad("disable_by_batch_size", f"must be an integer >= 1 or None, got {limit!r}")

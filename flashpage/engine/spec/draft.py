@@ -5,7 +5,9 @@ step it brings each decoding sequence's draft cache up to the tokens now known, 
 time, each fed back on the device, and reads them back once. It draws from its own distribution at the request's
 temperature, q = softmax(draft logits / T), and keeps those rows for the target's rejection sampler, which
 applies every sampling parameter to the target's distribution p. On the next call the tokens it fed back are
-checked against what was accepted, and its cache is rolled back to the first mismatch.
+checked against what was accepted, and its cache is rolled back to the first mismatch. With `tree_width` > 1 it
+proposes token trees of its likeliest tokens instead (SpecInfer's expansion, grown as EAGLE-2 grows them),
+which the target verifies by its own draws.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.runner import ModelRunner, resolve_device
 from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec.config import SpeculativeConfig
+from flashpage.engine.spec.tree_search import Node, grow_trees
 from flashpage.engine.step import SampleRow, SampleSpec, SeqStep, StepPlan
 from flashpage.errors import ParameterError
+from flashpage.kernels.tree import MAX_TREE_TOKENS
 from flashpage.kv import BlockManager, kv_bytes_per_block
 from flashpage.loader import LoadedModel, load_model
 from flashpage.sampling_params import SamplingParams
@@ -53,6 +57,8 @@ class DraftProposer:
         self.runner = ModelRunner(draft_cfg, draft)
         self.bm = BlockManager(target.num_blocks, cfg.block_size, enable_prefix_caching=False)
         self.k, self.max_len = spec.num_speculative_tokens, max_len
+        self.width = spec.tree_width  # > 1: token trees (engine/spec/tree_search.py), not sampled chains
+        self.size = min(self.width * self.k, MAX_TREE_TOKENS - 1)
         self.target_max_len, self.max_tokens = target.cfg.max_model_len, cfg.max_num_batched_tokens
         self.computed: dict[int, int] = {}  # seq id -> tokens whose draft K/V is in the draft cache
         self.fed: dict[int, tuple[int, list[int]]] = {}  # seq id -> (position, drafted tokens computed from there)
@@ -68,6 +74,9 @@ class DraftProposer:
         live = {s.seq_id for s in running}
         for seq_id in [i for i in self.bm.tables if i not in live]:  # finished or preempted
             self.release(seq_id)
+        if self.width > 1:
+            self._propose_trees(running)
+            return
         plan, budget, drafting = StepPlan(), self.max_tokens, []
         for seq in running:
             known = len(seq.token_ids)
@@ -120,6 +129,52 @@ class DraftProposer:
             seq.proposal, seq.proposal_rows = drafted, q_rows
             self.fed[seq.seq_id] = (len(seq.token_ids), drafted[:-1])
             self.computed[seq.seq_id] += len(drafted) - 1
+
+    @torch.inference_mode()
+    def _propose_trees(self, running: list[Sequence]) -> None:
+        """Token trees of the draft's likeliest tokens (EAGLE-2's search, engine/spec/tree_search.py), verified by
+        the target's own draws like any point-mass proposal. The draft's cache keeps known tokens only: each call
+        computes the new ones (the last token again: its logits start the tree), then one step a level, every
+        expanded node computed again as a tree (the mask covers a step's own queries only)."""
+        self.probs = None
+        plan, budget, drafting = StepPlan(), self.max_tokens, []
+        for seq in running:
+            known = len(seq.token_ids)
+            if seq.num_uncomputed != 1 or seq.num_pending or budget < 1 or seq.room(self.target_max_len) < 2 or \
+                    known + self.size > self.max_len:
+                continue
+            start = self._roll_back(seq)
+            n = min(known - start, budget)
+            end = known + self.size if start + n == known else start + n
+            if self.bm.blocks_needed(seq.seq_id, end) > self.bm.num_free_blocks:
+                continue
+            self.bm.append_slots(seq.seq_id, end - self.bm.num_tokens[seq.seq_id])
+            plan.add(SeqStep(seq.seq_id, seq.token_ids[start:start + n], list(range(start, start + n)),
+                             list(self.bm.table(seq.seq_id)), num_logits=int(start + n == known)))
+            self.computed[seq.seq_id] = start + n
+            budget -= n
+            if start + n == known:
+                drafting.append(seq)
+        if not plan.seqs:
+            return
+        first = torch.log_softmax(self.runner.forward(plan)[0], dim=-1)
+        if not drafting:  # catching up on long prompts only
+            return
+
+        def expand(trees: list[list[Node]], expanded: list[list[int]], level: int) -> torch.Tensor:
+            plan, rows = StepPlan(), []
+            for seq, nodes, order in zip(drafting, trees, expanded):
+                place = {n: j for j, n in enumerate(order)}
+                rows += [plan.num_logits + j for j, n in enumerate(order) if nodes[n].depth == level]
+                plan.add(SeqStep(seq.seq_id, [nodes[n].token for n in order],
+                                 [len(seq.token_ids) - 1 + nodes[n].depth for n in order],
+                                 list(self.bm.table(seq.seq_id)), num_logits=len(order),
+                                 tree=[place.get(nodes[n].parent, -1) for n in order]))
+            logits = self.runner.forward(plan)[0]
+            return torch.log_softmax(logits[rows], dim=-1)
+
+        for seq, (tokens, parents) in zip(drafting, grow_trees(first, expand, self.width, self.k, self.size)):
+            seq.proposal, seq.proposal_parents = tokens, parents
 
     def _roll_back(self, seq: Sequence) -> int:
         """Tokens whose draft K/V still holds: drafted tokens fed back count up to the first the target did not

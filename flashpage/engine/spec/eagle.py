@@ -13,10 +13,8 @@ elements of the target's own features), so the guesses of the last call are roll
 them. A prompt read from the prefix cache has no features for its cached part: the draft sees zeros there (its
 guesses get worse, the output stays exact); so do samples forked off a prompt (n > 1).
 
-EAGLE-2's tree: from the draft's distribution after the last token, the `tree_width` likeliest tokens are the
-first level; at each further level (up to num_speculative_tokens) the `tree_width` likeliest nodes of the level
-(by the draft's probability of the whole path) are expanded, each by its `tree_width` likeliest next tokens; the
-proposal is the `tree_width` x num_speculative_tokens likeliest paths of everything drafted (at most 63 nodes).
+EAGLE-2's tree (engine/spec/tree_search.py): `tree_width` tokens a node, `tree_width` nodes expanded a level, up
+to num_speculative_tokens levels, the `tree_width` x num_speculative_tokens likeliest nodes kept (fewer than 64).
 A level's draft step recomputes every expanded node with the tree mask (kernels/tree.py), as the mask covers
 only a step's own queries. The engine walks the tree by the target's draws: lossless, greedy or sampled.
 
@@ -29,14 +27,13 @@ EAGLE-3's layout (three fused target layers, its own vocabulary) is not read yet
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from flashpage.config import ModelConfig
 from flashpage.engine.inputs import prepare_inputs
 from flashpage.engine.spec.checkpoint import checkpoint_dir, read_config, read_tensors
+from flashpage.engine.spec.tree_search import Node, grow_trees
 from flashpage.engine.step import SeqStep, StepPlan
 from flashpage.errors import ParameterError
 from flashpage.kernels.tree import MAX_TREE_TOKENS
@@ -118,14 +115,6 @@ def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, devic
     return draft.to(device=device, dtype=dtype).eval()
 
 
-@dataclasses.dataclass
-class Node:
-    token: int
-    parent: int  # index in the list of drafted nodes; -1: a child of the sequence's last token
-    depth: int  # 1: the token after the last one
-    score: float  # the draft's log-probability of the path down to it
-
-
 class EagleProposer:
     probs = None  # proposals are point masses, verified by the draws decoding would make
 
@@ -195,17 +184,6 @@ class EagleProposer:
         head = self.target.embed_tokens if self.target.lm_head is None else self.target.lm_head
         return torch.log_softmax(self.ops.linear(feats, head.weight, out_dtype=torch.float32), dim=-1)
 
-    def _children(self, logprobs: torch.Tensor, parents: list[Node | None], offsets: list[int]) -> list[list[Node]]:
-        """Each parent's `width` likeliest next tokens (rows of `logprobs`), as nodes."""
-        top = logprobs.topk(self.width, dim=-1)
-        values, ids = top.values.tolist(), top.indices.tolist()
-        out = []
-        for row, (parent, index) in enumerate(zip(parents, offsets)):
-            base = parent.score if parent else 0.0
-            depth = parent.depth + 1 if parent else 1
-            out.append([Node(t, index, depth, base + v) for t, v in zip(ids[row], values[row])])
-        return out
-
     @torch.inference_mode()
     def propose(self, running) -> None:
         live = {s.seq_id for s in running}
@@ -238,59 +216,31 @@ class EagleProposer:
             return
         out = self._run(plan, torch.cat(feats))
         ends = [sum(len(s.token_ids) for s in plan.seqs[:i + 1]) - 1 for i in range(len(plan.seqs))]
-        root_feats = out[ends]
-        trees: list[list[Node]] = [[] for _ in drafting]  # every drafted node, per sequence
-        frontier = self._children(self._logprobs(root_feats), [None] * len(drafting), [-1] * len(drafting))
-        expanded: list[list[int]] = [[] for _ in drafting]  # nodes run through the draft, parents first
-        node_feats: list[dict[int, torch.Tensor]] = [{} for _ in drafting]  # their draft outputs
-        for i, children in enumerate(frontier):
-            trees[i] += children
-        for level in range(1, self.depth):
-            # expand the level's `width` likeliest nodes of each sequence: recompute every expanded node as a tree
-            plan, feats = StepPlan(), []
-            for i, seq in enumerate(drafting):
-                level_nodes = [n for n, node in enumerate(trees[i]) if node.depth == level]
-                expanded[i] += sorted(level_nodes, key=lambda n: -trees[i][n].score)[:self.width]
-                order = expanded[i]
+        root = out[ends]  # each sequence's last element's output: the first level's distribution
+        outputs: dict[tuple[int, int], torch.Tensor] = {}  # (sequence, node) -> its element's output
+
+        def expand(trees: list[list[Node]], expanded: list[list[int]], level: int) -> torch.Tensor:
+            """Every expanded node computed again as a tree (the mask covers a step's own queries only)."""
+            plan, feats, rows = StepPlan(), [], []
+            for i, (seq, nodes, order) in enumerate(zip(drafting, trees, expanded)):
                 place = {n: j for j, n in enumerate(order)}
                 last = len(seq.token_ids) - 1
-                plan.add(SeqStep(seq.seq_id, [trees[i][n].token for n in order],
-                                 [last - 1 + trees[i][n].depth for n in order], list(self.bm.table(seq.seq_id)),
-                                 num_logits=len(order), tree=[place.get(trees[i][n].parent, -1) for n in order]))
-                feats += [root_feats[i] if trees[i][n].parent < 0 else node_feats[i][trees[i][n].parent]
-                          for n in order]
+                rows += [len(feats) + j for j, n in enumerate(order) if nodes[n].depth == level]
+                plan.add(SeqStep(seq.seq_id, [nodes[n].token for n in order], [last - 1 + nodes[n].depth for n in order],
+                                 list(self.bm.table(seq.seq_id)), num_logits=len(order),
+                                 tree=[place.get(nodes[n].parent, -1) for n in order]))
+                feats += [root[i] if nodes[n].parent < 0 else outputs[i, nodes[n].parent] for n in order]
             out = self._run(plan, torch.stack(feats))
-            row, rows, parents, offsets = 0, [], [], []
-            for i, step in enumerate(plan.seqs):
-                for j, n in enumerate(expanded[i]):
-                    node_feats[i][n] = out[row + j]
-                    if trees[i][n].depth == level:
-                        rows.append(row + j)
-                        parents.append(trees[i][n])
-                        offsets.append((i, n))
-                row += len(step.token_ids)
-            children = self._children(self._logprobs(out[rows]), parents, [n for _, n in offsets])
-            for (i, _), kids in zip(offsets, children):
-                trees[i] += kids
-        for seq, nodes in zip(drafting, trees):
-            seq.proposal, seq.proposal_parents = self._best(nodes)
+            row = 0
+            for i, order in enumerate(expanded):
+                for j, n in enumerate(order):
+                    outputs[i, n] = out[row + j]
+                row += len(order)
+            return self._logprobs(out[rows])
 
-    def _best(self, nodes: list[Node]) -> tuple[list[int], list[int] | None]:
-        """The `size` likeliest nodes (a path's score never exceeds its parent's, so they form a tree), parents
-        first: (tokens, parents), parents None for a chain."""
-        chosen: list[int] = []
-        picked = set()
-        for n in sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth)):
-            if nodes[n].parent < 0 or nodes[n].parent in picked:
-                chosen.append(n)
-                picked.add(n)
-                if len(chosen) == self.size:
-                    break
-        chosen.sort(key=lambda n: (nodes[n].depth, n))
-        place = {n: j for j, n in enumerate(chosen)}
-        parents = [place.get(nodes[n].parent, -1) for n in chosen]
-        chain = parents == list(range(-1, len(parents) - 1))
-        return [nodes[n].token for n in chosen], None if chain else parents
+        for seq, (tokens, parents) in zip(drafting, grow_trees(self._logprobs(root), expand, self.width, self.depth,
+                                                                self.size)):
+            seq.proposal, seq.proposal_parents = tokens, parents
 
     def release(self, seq_id: int) -> None:
         self.bm.free_sequence(seq_id)

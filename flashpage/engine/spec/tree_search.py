@@ -1,0 +1,73 @@
+"""Dynamic draft trees (EAGLE-2, Li et al. 2024): a token tree grown from a draft's distributions, level by level.
+
+The `width` likeliest tokens after a sequence's last token are the first level. Each further level expands the
+previous level's `width` likeliest nodes (by the draft's probability of the whole path from the root, the product
+of its tokens' probabilities) by their `width` likeliest next tokens. The proposal is the `size` likeliest nodes of
+everything drafted: a path's probability never exceeds its parent's, so they form a tree. Every node is a point
+mass, so the engine's tree walk by the target's own draws verifies it losslessly, greedy or sampled.
+
+The draft is asked, once a level, for its log-probabilities after each node expanded at that level
+(`expand`): EAGLE's one layer, or a draft model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Node:
+    token: int
+    parent: int  # the parent's index among its sequence's nodes; -1: a child of the sequence's last token
+    depth: int  # 1: the token right after the last one
+    score: float  # the draft's log-probability of the path down to it
+
+
+# expand(trees, expanded, level): each sequence's nodes and the indices of those run through the draft so far
+# (parents first; the last ones are this level's); returns the draft's log-probabilities [rows, V] after each
+# node of depth `level` in `expanded`, sequences in order.
+Expand = Callable[[list[list[Node]], list[list[int]], int], torch.Tensor]
+
+
+def grow_trees(first: torch.Tensor, expand: Expand, width: int, depth: int,
+               size: int) -> list[tuple[list[int], list[int] | None]]:
+    """Each sequence's tree from `first` [B, V], the draft's log-probabilities after its last token: (tokens,
+    parents) parents first, parents None where the tree is a chain."""
+    trees = [children(row, None, -1, width) for row in _top(first, width)]
+    expanded: list[list[int]] = [[] for _ in trees]
+    for level in range(1, depth):
+        for nodes, done in zip(trees, expanded):
+            at_level = [n for n, node in enumerate(nodes) if node.depth == level]
+            done += sorted(at_level, key=lambda n: -nodes[n].score)[:width]
+        rows = _top(expand(trees, expanded, level), width)
+        for nodes, done in zip(trees, expanded):
+            for n in [n for n in done if nodes[n].depth == level]:
+                nodes += children(next(rows), nodes[n], n, width)
+    return [best(nodes, size) for nodes in trees]
+
+
+def _top(logprobs: torch.Tensor, width: int):
+    top = logprobs.topk(width, dim=-1)
+    return iter(list(zip(top.indices.tolist(), top.values.tolist())))
+
+
+def children(row: tuple[list[int], list[float]], parent: Node | None, index: int, width: int) -> list[Node]:
+    base, depth = (parent.score, parent.depth + 1) if parent else (0.0, 1)
+    return [Node(t, index, depth, base + v) for t, v in zip(*row)][:width]
+
+
+def best(nodes: list[Node], size: int) -> tuple[list[int], list[int] | None]:
+    """The `size` likeliest nodes, parents first: (tokens, parents), parents None for a chain."""
+    chosen: list[int] = []
+    for n in sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth)):
+        if nodes[n].parent < 0 or nodes[n].parent in chosen:
+            chosen.append(n)
+            if len(chosen) == size:
+                break
+    chosen.sort(key=lambda n: (nodes[n].depth, n))
+    place = {n: j for j, n in enumerate(chosen)}
+    parents = [place.get(nodes[n].parent, -1) for n in chosen]
+    return [nodes[n].token for n in chosen], None if parents == list(range(-1, len(parents) - 1)) else parents
