@@ -555,14 +555,15 @@ def heads(args) -> dict:
                 "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "rms_norm_eps": c.rms_norm_eps,
                 "max_position_embeddings": c.max_position_embeddings}))
             del tensors
-    prompt = torch.randint(c.vocab_size, (args.input_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts = torch.Generator().manual_seed(1)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    def steps_timed(engine) -> tuple[float, int]:
-        """Seconds and steps of one greedy request."""
+    def steps_timed(engine, params=greedy) -> tuple[float, int]:
+        """Seconds and steps of one greedy request (a new random prompt: no prefix-cache hit)."""
+        prompt = torch.randint(c.vocab_size, (args.input_len,), generator=prompts).tolist()
         sync()
         start, steps = time.perf_counter(), 0
-        engine.add_request("r", prompt, greedy)
+        engine.add_request("r", prompt, params)
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
@@ -571,7 +572,7 @@ def heads(args) -> dict:
     plain = engine_over(llm, max_num_seqs=1)
     steps_timed(plain)
     plain_s, plain_steps = steps_timed(plain)
-    first_s, _ = run_alone(plain, prompt, SamplingParams(temperature=0, max_tokens=1))
+    first_s, _ = steps_timed(plain, SamplingParams(temperature=0, max_tokens=1))
     plain_ms = (plain_s - first_s) / (plain_steps - 1) * 1e3
     del plain
     free_memory()

@@ -12,7 +12,6 @@ breakdown names NCCL's kernels). Prints a table; `--out` writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
