@@ -205,6 +205,29 @@ def fused_name(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def load_tensor(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+                filled: dict[str, int], label: str | None = None) -> str:
+    """Hand a checkpoint tensor, transformers' `name` for `model`'s naming, to its parameter's loader and count it
+    in `filled`; returns the parameter's name. ValueError names the tensor (`label`: its name in the checkpoint)."""
+    label = label or name
+    target, shard = fused_name(name)
+    if target not in params:
+        raise ValueError(f"checkpoint tensor {label!r} has no matching parameter in the model")
+    module = model.get_submodule(target.rpartition(".")[0])
+    try:
+        getattr(module, "weight_loader", weight_loader)(params[target], tensor, shard)
+    except ValueError as e:
+        raise ValueError(f"tensor {label!r} {e}") from None
+    filled[target] = filled.get(target, 0) + 1
+    return target
+
+
+def unfilled(model: nn.Module, params: dict[str, nn.Parameter], filled: dict[str, int]) -> list[str]:
+    """The parameters no tensor (or not every shard of a fused projection) filled."""
+    return sorted(n for n in params if filled.get(n, 0) != len(getattr(
+        model.get_submodule(n.rpartition(".")[0]), "shards", [n])))
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: str = "torch", tp: TensorParallel | None = None):
         """`tp`: this rank's place in a tensor-parallel group (default: one rank, the whole model)."""
@@ -264,20 +287,11 @@ class LlamaForCausalLM(nn.Module):
                 except (AttributeError, ValueError) as e:
                     raise ValueError(f"tensor {name!r} {e}") from None
                 continue
-            target, shard = fused_name(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
-            module = self.get_submodule(target.rpartition(".")[0])
-            try:
-                getattr(module, "weight_loader", weight_loader)(params[target], tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"tensor {name!r} {e}") from None
-            filled[target] = filled.get(target, 0) + 1
+            target = load_tensor(self, params, name, tensor, filled)
             if params[target].dtype != tensor.dtype and target.endswith(".weight") and \
                     f"{target}_scale" in params:  # quantized as it loaded: its scales are filled too
                 filled[f"{target}_scale"] = filled.get(f"{target}_scale", 0) + 1
-        missing = sorted(n for n in params if filled.get(n, 0) != len(getattr(
-            self.get_submodule(n.rpartition(".")[0]), "shards", [n])))
+        missing = unfilled(self, params, filled)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing weights for {len(missing)} parameter(s): {shown}")

@@ -38,7 +38,7 @@ from flashpage.engine.step import SeqStep, StepPlan
 from flashpage.errors import ParameterError
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 from flashpage.kv import BlockManager, allocate_kv_caches, kv_bytes_per_block
-from flashpage.model.llama import DecoderLayer, fused_name, weight_loader
+from flashpage.model.llama import DecoderLayer, load_tensor, unfilled
 from flashpage.model.rope import rope_cos_sin, rope_inv_freq
 from flashpage.parallel.group import TensorParallel
 
@@ -99,17 +99,11 @@ def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, devic
     for name, tensor in tensors.items():
         if name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
             continue  # the target's are used
-        target, shard = fused_name(name.replace("layers.0.", "layer.", 1))
-        if target not in params:
-            raise _bad(f"tensor {name!r} has no place in a one-layer EAGLE draft")
-        module = draft.get_submodule(target.rpartition(".")[0])
         try:
-            getattr(module, "weight_loader", weight_loader)(params[target], tensor, shard)
+            load_tensor(draft, params, name.replace("layers.0.", "layer.", 1), tensor, filled, label=name)
         except ValueError as e:
-            raise _bad(f"tensor {name!r} {e}") from None
-        filled[target] = filled.get(target, 0) + 1
-    missing = [n for n in params if filled.get(n, 0) != len(getattr(draft.get_submodule(n.rpartition(".")[0]),
-                                                                     "shards", [n]))]
+            raise _bad(str(e)) from None
+    missing = unfilled(draft, params, filled)
     if missing:
         raise _bad(f"the checkpoint lacks tensors for {', '.join(missing[:4])}")
     return draft.to(device=device, dtype=dtype).eval()
