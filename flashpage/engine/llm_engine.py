@@ -410,7 +410,6 @@ class LLMEngine:
             **(self.sparse_stats.as_dict() if self.sparse_stats else {}),
         }
 
-
     def _verify(self, seq: Sequence, drawn: list[SampledToken], logits) -> list[int]:
         """The proposed tokens the engine keeps of `seq.verifying` (a chain, or a tree), root first; `logits`:
         the sequence's sample rows where typical acceptance may judge them."""

@@ -259,10 +259,14 @@ class ModelRunner:
                 st["query_mask"][:tokens].copy_(meta.query_mask)
             graph.replay()
             rows = inputs.logits_index
-            index = upload(rows, torch.int64, dev)
-            logits = logits[:len(rows)] if rows == list(range(len(rows))) else logits.index_select(0, index)
-            if self.keep_hidden:  # every real token gives logits (a copy: the next replay overwrites the buffer)
-                kept = hidden.index_select(0, index)
+            if rows == list(range(len(rows))):
+                logits = logits[:len(rows)]
+                # (every real token gives logits; a copy: the next replay overwrites the buffer)
+                kept = hidden[:len(rows)].clone() if self.keep_hidden else None
+            else:
+                index = upload(rows, torch.int64, dev)
+                logits = logits.index_select(0, index)
+                kept = hidden.index_select(0, index) if self.keep_hidden else None
             rows = list(range(len(rows)))
         else:
             hidden = self.model(ids, meta, self.kv_caches)

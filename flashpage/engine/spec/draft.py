@@ -20,7 +20,7 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.runner import ModelRunner, resolve_device
 from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec.config import SpeculativeConfig
-from flashpage.engine.spec.tree_search import Node, grow_trees
+from flashpage.engine.spec.tree_search import Node, grow_trees, level_plan
 from flashpage.engine.step import SampleRow, SampleSpec, SeqStep, StepPlan
 from flashpage.errors import ParameterError
 from flashpage.kernels.tree import MAX_TREE_TOKENS
@@ -162,14 +162,8 @@ class DraftProposer:
             return
 
         def expand(trees: list[list[Node]], expanded: list[list[int]], level: int) -> torch.Tensor:
-            plan, rows = StepPlan(), []
-            for seq, nodes, order in zip(drafting, trees, expanded):
-                place = {n: j for j, n in enumerate(order)}
-                rows += [plan.num_logits + j for j, n in enumerate(order) if nodes[n].depth == level]
-                plan.add(SeqStep(seq.seq_id, [nodes[n].token for n in order],
-                                 [len(seq.token_ids) - 1 + nodes[n].depth for n in order],
-                                 list(self.bm.table(seq.seq_id)), num_logits=len(order),
-                                 tree=[place.get(nodes[n].parent, -1) for n in order]))
+            plan, rows = level_plan([s.seq_id for s in drafting], [len(s.token_ids) - 1 for s in drafting],
+                                    [list(self.bm.table(s.seq_id)) for s in drafting], trees, expanded, level)
             logits = self.runner.forward(plan)[0]
             return torch.log_softmax(logits[rows], dim=-1)
 

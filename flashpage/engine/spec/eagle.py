@@ -27,15 +27,18 @@ EAGLE-3's layout (three fused target layers, its own vocabulary) is not read yet
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from flashpage.config import ModelConfig
 from flashpage.engine.inputs import prepare_inputs
 from flashpage.engine.spec.checkpoint import checkpoint_dir, read_config, read_tensors
-from flashpage.engine.spec.tree_search import Node, grow_trees
+from flashpage.engine.spec.tree_search import Node, grow_trees, level_plan
 from flashpage.engine.step import SeqStep, StepPlan
 from flashpage.errors import ParameterError
+from flashpage.kernels.reference import rms_norm
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 from flashpage.kv import BlockManager, allocate_kv_caches, kv_bytes_per_block
 from flashpage.model.llama import DecoderLayer, load_tensor, unfilled
@@ -49,18 +52,25 @@ def _bad(message: str) -> ParameterError:
     return ParameterError(SETTING, f"speculative_config: EAGLE draft: {message}")
 
 
-def draft_config(model: str) -> tuple[ModelConfig, dict]:
-    """The draft's decoder-layer shape, and its config.json."""
+def draft_dir(model: str) -> Path:
     try:
-        raw = read_config(checkpoint_dir(model, "an EAGLE draft"))
-        return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **raw, "num_hidden_layers": 1}), raw
+        return checkpoint_dir(model, "an EAGLE draft")
+    except ValueError as e:
+        raise _bad(str(e)) from None
+
+
+def draft_config(path: Path) -> ModelConfig:
+    """The draft's decoder-layer shape."""
+    try:
+        raw = read_config(path)
+        return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **raw, "num_hidden_layers": 1})
     except (ValueError, KeyError, TypeError) as e:
         raise _bad(str(e)) from None
 
 
 def eagle_bytes_per_block(model: str, block_size: int) -> int:
     """Its KV cache's bytes per block (counted at 4 bytes an element: the target's dtype is not known yet)."""
-    c = draft_config(model)[0]
+    c = draft_config(draft_dir(model))
     return kv_bytes_per_block(1, block_size, c.num_key_value_heads, c.head_dim, torch.float32)
 
 
@@ -83,12 +93,13 @@ class EagleDraft(nn.Module):
 
 
 def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, device) -> EagleDraft:
-    cfg, raw = draft_config(model)
+    path = draft_dir(model)
+    cfg = draft_config(path)
     for key in ("hidden_size", "vocab_size"):
         if getattr(cfg, key) != getattr(target_config, key):
             raise _bad(f"its {key} is {getattr(cfg, key)}, the target's {getattr(target_config, key)}")
     try:
-        tensors = {name.removeprefix("model."): t for name, t in read_tensors(checkpoint_dir(model, "")).items()}
+        tensors = {name.removeprefix("model."): t for name, t in read_tensors(path).items()}
     except ValueError as e:
         raise _bad(str(e)) from None
     if any(name.startswith(("midlayer.", "d2t", "t2d")) for name in tensors):
@@ -132,8 +143,8 @@ class EagleProposer:
 
     # ----- the target's features --------------------------------------------------------------------------
     def _normed(self, h: torch.Tensor) -> torch.Tensor:
-        norm, x = self.target.norm, h.float()
-        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()).to(h.dtype)
+        norm = self.target.norm
+        return rms_norm(h.float(), norm.weight.float(), norm.eps).to(h.dtype)
 
     def _add(self, seq_id: int, position: int, feats: torch.Tensor) -> None:
         """Features of positions `position` .. on; earlier ones it replaces (a preempted sequence recomputed)."""
@@ -215,15 +226,10 @@ class EagleProposer:
 
         def expand(trees: list[list[Node]], expanded: list[list[int]], level: int) -> torch.Tensor:
             """Every expanded node computed again as a tree (the mask covers a step's own queries only)."""
-            plan, feats, rows = StepPlan(), [], []
-            for i, (seq, nodes, order) in enumerate(zip(drafting, trees, expanded)):
-                place = {n: j for j, n in enumerate(order)}
-                last = len(seq.token_ids) - 1
-                rows += [len(feats) + j for j, n in enumerate(order) if nodes[n].depth == level]
-                plan.add(SeqStep(seq.seq_id, [nodes[n].token for n in order], [last - 1 + nodes[n].depth for n in order],
-                                 list(self.bm.table(seq.seq_id)), num_logits=len(order),
-                                 tree=[place.get(nodes[n].parent, -1) for n in order]))
-                feats += [root[i] if nodes[n].parent < 0 else outputs[i, nodes[n].parent] for n in order]
+            plan, rows = level_plan([s.seq_id for s in drafting], [len(s.token_ids) - 2 for s in drafting],
+                                    [list(self.bm.table(s.seq_id)) for s in drafting], trees, expanded, level)
+            feats = [root[i] if nodes[n].parent < 0 else outputs[i, nodes[n].parent]
+                     for i, (nodes, order) in enumerate(zip(trees, expanded)) for n in order]
             out = self._run(plan, torch.stack(feats))
             row = 0
             for i, order in enumerate(expanded):

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from flashpage.engine.spec.checkpoint import checkpoint_dir, read_config, read_tensors
 from flashpage.errors import ParameterError
+from flashpage.kernels.reference import rms_norm
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 
 SETTING = "speculative_config.model"
@@ -201,8 +202,8 @@ class MedusaProposer:
         ready = [s for s in running if s.num_uncomputed == 1 and not s.num_pending and s.seq_id in self.hidden]
         if not ready:
             return
-        h = torch.stack([self.hidden.pop(s.seq_id) for s in ready]).float()
-        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm.eps) * self.norm.weight.float()
+        h = torch.stack([self.hidden.pop(s.seq_id) for s in ready])
+        x = rms_norm(h.float(), self.norm.weight.float(), self.norm.eps)
         logits = self.heads(x.to(self.norm.weight.dtype), self.depth)
         guesses = logits.topk(self.top, dim=-1).indices.tolist()  # [head][seq][rank]
         for n, seq in enumerate(ready):

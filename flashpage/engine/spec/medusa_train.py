@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from flashpage.engine.spec.medusa import MedusaHeads
+from flashpage.kernels.reference import rms_norm
 from flashpage.model import AttentionMetadata
 
 
@@ -29,7 +30,7 @@ def target_features(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     for tokens in sequences:
         ids = torch.tensor(tokens, device=model.embed_tokens.weight.device)
         h = model(ids, AttentionMetadata.prefill([len(tokens)]), None).float()
-        out.append(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + model.norm.eps) * model.norm.weight.float())
+        out.append(rms_norm(h, model.norm.weight.float(), model.norm.eps))
     return out
 
 

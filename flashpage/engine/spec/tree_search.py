@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpage.engine.step import SeqStep, StepPlan
+
 
 @dataclass
 class Node:
@@ -47,6 +49,21 @@ def grow_trees(first: torch.Tensor, expand: Expand, width: int, depth: int,
             for n in [n for n in done if nodes[n].depth == level]:
                 nodes += children(next(rows), nodes[n], n, width)
     return [best(nodes, size) for nodes in trees]
+
+
+def level_plan(seq_ids: list[int], roots: list[int], tables: list[list[int]], trees: list[list[Node]],
+               expanded: list[list[int]], level: int) -> tuple[StepPlan, list[int]]:
+    """A draft step computing every expanded node again, one tree per sequence (the tree mask covers a step's own
+    queries only, so a level cannot attend to nodes an earlier step wrote): node positions are `roots[i]` (the
+    position of the sequence's last drafted element) plus depth, its slots follow. Returns the plan and the rows of
+    the nodes of depth `level`, the rows `expand` answers for."""
+    plan, rows = StepPlan(), []
+    for seq_id, root, table, nodes, order in zip(seq_ids, roots, tables, trees, expanded):
+        place = {n: j for j, n in enumerate(order)}
+        rows += [plan.num_logits + j for j, n in enumerate(order) if nodes[n].depth == level]
+        plan.add(SeqStep(seq_id, [nodes[n].token for n in order], [root + nodes[n].depth for n in order], table,
+                         num_logits=len(order), tree=[place.get(nodes[n].parent, -1) for n in order]))
+    return plan, rows
 
 
 def _top(logprobs: torch.Tensor, width: int):
