@@ -53,16 +53,13 @@ def _bad(message: str) -> ParameterError:
 
 
 def draft_dir(model: str) -> Path:
-    try:
-        return checkpoint_dir(model, "an EAGLE draft")
-    except ValueError as e:
-        raise _bad(str(e)) from None
+    return checkpoint_dir(model, "an EAGLE draft", _bad)
 
 
 def draft_config(path: Path) -> ModelConfig:
     """The draft's decoder-layer shape."""
+    raw = read_config(path, _bad)
     try:
-        raw = read_config(path)
         return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **raw, "num_hidden_layers": 1})
     except (ValueError, KeyError, TypeError) as e:
         raise _bad(str(e)) from None
@@ -98,10 +95,7 @@ def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, devic
     for key in ("hidden_size", "vocab_size"):
         if getattr(cfg, key) != getattr(target_config, key):
             raise _bad(f"its {key} is {getattr(cfg, key)}, the target's {getattr(target_config, key)}")
-    try:
-        tensors = {name.removeprefix("model."): t for name, t in read_tensors(path).items()}
-    except ValueError as e:
-        raise _bad(str(e)) from None
+    tensors = {name.removeprefix("model."): t for name, t in read_tensors(path, _bad).items()}
     if any(name.startswith(("midlayer.", "d2t", "t2d")) for name in tensors):
         raise _bad("this is an EAGLE-3 checkpoint (midlayer, d2t), whose layout is not supported yet")
     draft = EagleDraft(cfg, "fc.bias" in tensors, "layers.0.input_layernorm.weight" in tensors)

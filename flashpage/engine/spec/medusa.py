@@ -49,18 +49,12 @@ def _bad(message: str) -> ParameterError:
 
 
 def heads_dir(model: str) -> Path:
-    try:
-        return checkpoint_dir(model, "Medusa heads")
-    except ValueError as e:
-        raise _bad(str(e)) from None
+    return checkpoint_dir(model, "Medusa heads", _bad)
 
 
 def read_layout(path: Path) -> tuple[int, int, dict]:
     """(heads, residual blocks per head, config) of the checkpoint in `path`."""
-    try:
-        config = read_config(path)
-    except ValueError as e:
-        raise _bad(str(e)) from None
+    config = read_config(path, _bad)
     heads = config.get("medusa_num_heads", config.get("num_heads"))
     layers = config.get("medusa_num_layers", config.get("num_hidden_layers", 1))
     if not isinstance(heads, int) or heads < 1 or not isinstance(layers, int) or layers < 0:
@@ -130,11 +124,7 @@ def load_medusa(model: str, hidden_size: int, vocab_size: int, dtype: torch.dtyp
     heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, shared)
     params = dict(heads.named_parameters())
     filled = set()
-    try:
-        tensors = read_tensors(path, WEIGHT_FILES)
-    except ValueError as e:
-        raise _bad(str(e)) from None
-    for name, tensor in tensors.items():
+    for name, tensor in read_tensors(path, _bad, WEIGHT_FILES).items():
         ours = _our_name(name, num_layers)
         if ours is None or (shared and ours.startswith("lm_heads.") and ours != "lm_heads.0.weight"):
             continue
