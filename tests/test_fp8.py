@@ -124,7 +124,7 @@ def test_a_prequantized_checkpoint_loads_in_vllms_layout(tiny_checkpoints, tmp_p
 
 def test_bad_quantization_settings_fail_before_loading(tiny_checkpoints, tmp_path):
     path, _ = tiny_checkpoints["llama3-rope-scaling"]
-    with pytest.raises(ValueError, match="quantization must be one of fp8, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of fp8, gguf, got 'int4'"):
         LLM(str(path), device="cpu", quantization="int4")
     for qc, what in [({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
                      ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size")]:

@@ -2,8 +2,9 @@
 the same run, at batch 1 and 32 (the README's CPU table).
 
 Each batch is --prompt-len random prompt tokens per sequence and exactly --max-tokens greedy tokens out (EOS
-ignored), both systems on the same float32 weights from the default GGUF, after one warm-up each. Prints output
-tok/s and the ratio; `--out` writes JSON.
+ignored), after one warm-up each. transformers and flashpage's float32 run multiply the GGUF's weights dequantized
+to float32; flashpage's `gguf` run keeps them in their 4-bit blocks (`quantization="gguf"`). Prints output tok/s
+and the ratios; `--out` writes JSON.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 
     gguf = resolve_known_model(DEFAULT_MODEL)
-    llm = LLM(str(gguf), dtype="float32", device="cpu")
+    engines = {"float32": LLM(str(gguf), dtype="float32", device="cpu"),
+               "gguf": LLM(str(gguf), dtype="float32", device="cpu", quantization="gguf")}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                            dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
@@ -38,20 +40,23 @@ def main(argv: list[str] | None = None) -> int:
                "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                "batches": []}
     for batch in map(int, args.batch_sizes.split(",")):
-        prompts = torch.randint(100, llm.config.vocab_size, (batch, args.prompt_len), generator=gen)
-        llm.generate([{"prompt_token_ids": r} for r in prompts[:2].tolist()], params, use_tqdm=False)
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params, use_tqdm=False)
-        ours = batch * args.max_tokens / (time.perf_counter() - start)
+        prompts = torch.randint(100, engines["gguf"].config.vocab_size, (batch, args.prompt_len), generator=gen)
+        row = {"batch": batch}
+        for name, llm in engines.items():
+            llm.generate([{"prompt_token_ids": r} for r in prompts[:2].tolist()], params, use_tqdm=False)
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params, use_tqdm=False)
+            row[f"flashpage_{name}_tok_s"] = batch * args.max_tokens / (time.perf_counter() - start)
         with torch.inference_mode():
             hf.generate(prompts[:2], max_new_tokens=4, do_sample=False)
             start = time.perf_counter()
             hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.max_tokens,
                         min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)
-            theirs = batch * args.max_tokens / (time.perf_counter() - start)
-        results["batches"].append({"batch": batch, "flashpage_tok_s": ours, "transformers_tok_s": theirs})
-        print(f"batch {batch:3d}: flashpage {ours:7.1f} tok/s, transformers {theirs:7.1f} tok/s, "
-              f"flashpage is {ours / theirs:.2f}x", flush=True)
+            row["transformers_tok_s"] = theirs = batch * args.max_tokens / (time.perf_counter() - start)
+        results["batches"].append(row)
+        print(f"batch {batch:3d}: transformers {theirs:7.1f} tok/s; flashpage " + ", ".join(
+            f"{name} {row[f'flashpage_{name}_tok_s']:7.1f} tok/s ({row[f'flashpage_{name}_tok_s'] / theirs:.2f}x)"
+            for name in engines), flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 0

@@ -1,7 +1,8 @@
 """`flashpage bench quality`: what each lossy mode costs on the default model, on this CPU (the README's quality
 tables).
 
-SmolLM2 from the default GGUF in float32 against each mode (FP8 KV cache, INT8 KV cache, FP8 weights): perplexity
+SmolLM2 from the default GGUF in float32 against each mode (FP8 KV cache, INT8 KV cache, FP8 weights, the GGUF's
+4-bit weights kept as stored with bfloat16 activations at their products): perplexity
 over --tokens tokens of CPython's own documentation (`pydoc_data.topics`, in --window-token windows, every token
 scored through the cache as decode reads it), and how many of the first 32 greedy tokens of 8 prompts (64-token
 pieces of the same text) equal float32's.
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 MODES = {"fp8 KV cache": {"kv_cache_dtype": "fp8"}, "int8 KV cache": {"kv_cache_dtype": "int8"},
-         "fp8 weights": {"quantization": "fp8"}}
+         "fp8 weights": {"quantization": "fp8"}, "gguf 4-bit kept": {"quantization": "gguf"}}
 
 
 def perplexity(llm, ids: list[int], window: int) -> float:

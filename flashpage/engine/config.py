@@ -49,7 +49,9 @@ class EngineConfig:
     deterministic: bool = _setting(False, "batch-invariant kernels: a request's tokens and log-probs are the same "
                                    "whatever else is batched (CUDA)")
     quantization: str | None = _setting(None, "fp8: FP8 (e4m3) weights, quantized as they load, and per-token FP8 "
-                                        "activations (default: as the checkpoint is stored)", ("fp8",))
+                                        "activations; gguf (CPU): a GGUF file's Q4_0/Q4_1 weights kept as stored, "
+                                        "bfloat16 activations at their products (default: as the checkpoint is "
+                                        "stored, dequantized)", ("fp8", "gguf"))
     kv_cache_dtype: str = _setting("auto", "auto: the model's dtype; fp8: e4m3, one scale per layer and KV head "
                                    "(1, or the checkpoint's); int8: one scale per token and KV head; either holds "
                                    "about twice the tokens of a 16-bit cache in the same memory", ("auto", "fp8", "int8"))

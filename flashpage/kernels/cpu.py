@@ -1,6 +1,7 @@
 """The CPU kernel set: the PyTorch references (same signatures), except where a batched form is measurably faster
 on a CPU. Decode attention is one scaled-dot-product call per group of sequences of the same page count instead
-of one call per sequence: at 32 sequences that call count was most of a CPU decode step (docs/cpu.md)."""
+of one call per sequence (at 32 sequences that call count was most of a CPU decode step), its gather indices and
+masks computed once a step, not once a layer; the cache write skips the reference's selection (docs/cpu.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import torch.nn.functional as F
 
 from flashpage.kernels import reference
 from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, composed_linear, flash_attn_varlen,
-                                         greedy, reshape_and_cache, rope_and_cache, sample, silu_and_mul,
-                                         sparq_attention, write_sparq_copies)
+                                         greedy, sample, silu_and_mul, sparq_attention, write_sparq_copies)
 
 __all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
            "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul", "sparq_attention",
@@ -31,29 +31,75 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None,
                     block_sparse=None):
-    """Decode: one call per group of sequences with the same number of pages, keys padded to those pages and the
-    padding masked. Grouping by a sequence's own page count keeps each result independent of what else is batched
-    (a reduction's order depends on the padded length), so a seeded request samples the same tokens in any batch."""
+    """Decode: one call per group of sequences with the same number of pages, each sequence's keys gathered by
+    slot and padded to its pages, the padding masked. Grouping by a sequence's own page count keeps each result
+    independent of what else is batched (a reduction's order depends on the padded length), so a seeded request
+    samples the same tokens in any batch."""
     batch = block_table.shape[0]
     if max_seqlen_q != 1 or q.shape[0] != batch or query_mask is not None:  # prefill, trees: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                          out=out, query_mask=query_mask, block_sparse=block_sparse)
-    page = kv_cache.k.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    for rows, slots, mask in _decode_groups(block_table, seq_lens_k, kv_cache.block_size, window_size[0]):
+        k, v = (x.transpose(1, 2) for x in read_slots(kv_cache, slots, q.dtype))
+        o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
+                                           scale=softmax_scale, enable_gqa=True)
+        out[rows] = o[:, :, 0, :]
+    return out
+
+
+_last_groups: tuple | None = None  # (a step's block table, its lengths, page, window, groups)
+
+
+def _decode_groups(block_table, seq_lens_k, page: int, window: int):
+    """[(rows, slots [G, L], mask [G, L])]: the sequences of each page count, the cache slot of each of their keys
+    (padding points at the sequence's first key, so it reads written values) and which keys each one sees. Every
+    layer of a step asks with the same block table and lengths, so the groups of the last call are kept and reused
+    for an equal table and lengths: computing them took most of a one-sequence attention call."""
+    global _last_groups
+    memo = _last_groups
+    if memo is not None and memo[2:4] == (page, window) and torch.equal(memo[1], seq_lens_k) and \
+            torch.equal(memo[0], block_table):
+        return memo[4]
     lens = seq_lens_k.long()
     num_pages = (lens + page - 1) // page
-    out = torch.empty_like(q) if out is None else out
+    groups = []
     for n in num_pages.unique().tolist():
         rows = (num_pages == n).nonzero()[:, 0]
         key = torch.arange(n * page)[None, :]
         length = lens[rows, None]
         mask = key < length  # a decode query is its sequence's last position: it sees every key before it
-        if window_size[0] >= 0:
-            mask &= key >= length - 1 - window_size[0]
-        # slots past a sequence's end were never written (NaN, say): zeroed, as a masked weight times NaN is NaN
-        k, v = (x.flatten(1, 2).masked_fill(~mask[:, :, None, None], 0).transpose(1, 2)
-                for x in reference.read_pages(kv_cache, block_table[rows, :n], q.dtype))
-        o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
-                                           scale=softmax_scale, enable_gqa=True)
-        out[rows] = o[:, :, 0, :]
-    return out
+        if window >= 0:
+            mask &= key >= length - 1 - window
+        slots = (block_table[rows, :n].long()[:, :, None] * page + torch.arange(page)).flatten(1)
+        groups.append((rows, torch.where(key < length, slots, slots[:, :1]), mask))
+    _last_groups = (block_table.clone(), seq_lens_k.clone(), page, window, groups)
+    return groups
+
+
+def read_slots(kv_cache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values at cache slots [...] as `dtype` [..., Hkv, D], dequantized."""
+    k, v = (x.view(-1, *x.shape[2:])[slots].to(dtype) for x in (kv_cache.k, kv_cache.v))
+    if kv_cache.k_scale is None:
+        return k, v
+    if kv_cache.scaled_per_token:  # INT8: [blocks, Hkv, block_size] scales
+        return tuple(x * s.transpose(1, 2).flatten(0, 1)[slots][..., None].to(dtype)
+                     for x, s in ((k, kv_cache.k_scale), (v, kv_cache.v_scale)))
+    return k * kv_cache.k_scale[:, None].to(dtype), v * kv_cache.v_scale[:, None].to(dtype)  # FP8: per KV head
+
+
+def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:
+    """The reference's, without its selection of the written tokens where every token is written."""
+    if kv_cache.k_scale is not None or bool((slot_mapping < 0).any()):
+        return reference.reshape_and_cache(k, v, kv_cache, slot_mapping)
+    slots = slot_mapping.long()
+    for x, cache in ((k, kv_cache.k), (v, kv_cache.v)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+
+
+def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
+    q, k = reference.rotate_half_rope(q, cos, sin), reference.rotate_half_rope(k, cos, sin)
+    if kv_cache is not None:
+        reshape_and_cache(k, v, kv_cache, slot_mapping)
+    return q, k

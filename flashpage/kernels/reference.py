@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from flashpage.kernels.fp8 import FP8, FP8_MAX, quantize_rows, scaled_linear
+from flashpage.kernels.int4 import int4_linear
 from flashpage.kernels.tree import check_query_mask, tree_visible
 
 INT8_MAX = 127.0
@@ -124,7 +125,8 @@ def silu_and_mul(x):
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
            weight_scale=None):
     """A projection with its decoder-layer neighbours: [silu_and_mul](norm(x) @ weight.T + bias) + residual.
-    With `weight_scale` [N] the weight is FP8 (e4m3), one scale per output feature (`flashpage.kernels.fp8`)."""
+    With `weight_scale` [N] the weight is FP8 (e4m3), one scale per output feature (`flashpage.kernels.fp8`); with
+    a uint8 weight, GGUF's 4-bit codes packed, and `weight_scale` its groups' (scale, zero) (`flashpage.kernels.int4`)."""
     return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
                            weight_scale)
 
@@ -134,8 +136,9 @@ def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, s
     """`linear` from separate kernels (these references, or Triton's above the fused kernel's row limit)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    if weight_scale is not None:  # FP8: activations quantized per token
-        y = scaled_linear(x, weight, weight_scale, quantize_rows)
+    if weight_scale is not None:  # FP8 (activations quantized per token), or 4-bit codes
+        y = int4_linear(x, weight, weight_scale) if weight.dtype == torch.uint8 else \
+            scaled_linear(x, weight, weight_scale, quantize_rows)
         y = y if bias is None else y + bias
         y = y if residual is None else y + residual
     elif residual is not None:  # one rounding for product and sum
@@ -147,11 +150,14 @@ def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, s
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def rotate_half_rope(x, cos, sin):
+    """Rotary embedding of x [T, H, D] in the rotate-half layout, cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
+
+
 def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
-    def rotate(x):
-        half = x.shape[-1] // 2
-        return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
-    q, k = rotate(q), rotate(k)
+    q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
     if kv_cache is not None:
         reshape_and_cache(k, v, kv_cache, slot_mapping)
     return q, k

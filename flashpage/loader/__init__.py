@@ -14,12 +14,15 @@ from flashpage.loader.gguf_file import GGUFModel
 from flashpage.loader.hf_dir import HFModelDir
 from flashpage.loader.hub import is_hub_id, resolve_hub_model
 from flashpage.loader.presets import PRESETS, preset_config
-from flashpage.model.fp8 import QUANTIZATIONS, use_fp8_weights
+from flashpage.model.fp8 import use_fp8_weights
+from flashpage.model.gguf_blocks import pack_int4_weights, use_int4_weights
 from flashpage.model.llama import LlamaForCausalLM
 from flashpage.parallel.group import TensorParallel
 from flashpage.tokenizer import Tokenizer
 
 LOAD_FORMATS = ("auto", "dummy")
+# fp8: flashpage.model.fp8; gguf: a GGUF file's 4-bit weights kept as stored (flashpage.model.gguf_blocks)
+QUANTIZATIONS = ("fp8", "gguf")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -79,11 +82,14 @@ def model_config(cfg) -> ModelConfig:
 def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TensorParallel | None = None,
                 quantization: str | None = None) -> LlamaForCausalLM:
     """Allocate the model (this rank's shard of it, under tensor parallelism) directly in its final dtype on its
-    device, without initialising it; with quantization="fp8", its layers' projections in FP8."""
+    device, without initialising it; with quantization="fp8", its layers' projections in FP8, with "gguf", as
+    4-bit codes."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp=tp).to(dtype)
         if quantization == "fp8":
             use_fp8_weights(model)
+        elif quantization == "gguf":
+            use_int4_weights(model)
     return model.to_empty(device=device).eval().requires_grad_(False)
 
 
@@ -108,6 +114,18 @@ def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     return shapes
+
+
+def check_gguf_blocks(source, load_format: str, device: torch.device, tp: TensorParallel | None) -> None:
+    """ValueError unless quantization 'gguf' can run: a GGUF file's weights, on the CPU, one rank."""
+    if not isinstance(source, GGUFModel) or load_format == "dummy":
+        raise ValueError("quantization 'gguf' keeps a GGUF file's 4-bit weights as stored; the model is not a "
+                         ".gguf file")
+    if device.type != "cpu":
+        raise ValueError("quantization 'gguf' runs on the CPU (PyTorch's int4 CPU kernel); on CUDA leave it unset "
+                         "and the GGUF weights load in the model's dtype")
+    if tp is not None and tp.size > 1:
+        raise ValueError("quantization 'gguf' does not support tensor parallelism")
 
 
 @torch.no_grad()
@@ -135,8 +153,9 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="cpu", seed: int = 0,
                revision: str | None = None, gguf_file: str | None = None,
                tp: TensorParallel | None = None, quantization: str | None = None) -> LoadedModel:
-    """The model (this rank's shard under tensor parallelism `tp`), its config and tokenizer. `quantization`
-    ("fp8"): quantize the layers' weights as they load (a checkpoint stored in FP8 loads in FP8 anyway)."""
+    """The model (this rank's shard under tensor parallelism `tp`), its config and tokenizer. `quantization`:
+    "fp8", quantize the layers' weights as they load (a checkpoint stored in FP8 loads in FP8 anyway); "gguf", keep
+    a GGUF file's 4-bit weights as stored (CPU)."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use device='cpu'")
@@ -148,9 +167,14 @@ def load_model(model: str, *, load_format: str = "auto", dtype="auto", device="c
     quantization = quantization or config.quantization
     if quantization == "fp8":
         check_fp8_support(device, "quantization 'fp8'")
+    if quantization == "gguf":
+        check_gguf_blocks(source, load_format, device, tp)
     net = build_empty(config, torch_dtype, device, tp, quantization)
     if load_format == "dummy":
         init_dummy_weights(net, seed)
+    elif quantization == "gguf":
+        net.load_weights(source.weights(keep_blocks=True))
+        pack_int4_weights(net)
     else:
         net.load_weights(source.weights())
     tokenizer = None if source is None else source.tokenizer()

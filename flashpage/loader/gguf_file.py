@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from flashpage.config import ModelConfig
+from flashpage.model.gguf_blocks import KEPT_TYPES, unpack_blocks
 
 # Quant types we dequantize (through gguf.quants) and test.
 SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
@@ -78,22 +79,36 @@ class GGUFModel:
             architecture=self.arch,
         )
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (transformers name, float32 tensor) one at a time, so peak memory is one tensor."""
+    def weights(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (transformers name, float32 tensor) one at a time, so peak memory is one tensor. `keep_blocks`:
+        the decoder layers' projections as their 4-bit codes (uint8) and, named `weight_scale`, their blocks'
+        (scale, zero) (`flashpage.model.gguf_blocks`); ValueError if one is stored otherwise."""
         from gguf.quants import dequantize
 
-        cfg = self.config
         for t in self.reader.tensors:
             if t.name == "rope_freqs.weight":
                 continue
             name = _hf_name(t.name)
-            data = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
-                # llama.cpp interleaves Q/K rows for its rope layout; undo it for the rotate-half layout.
-                heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
-                data = _unpermute(data, heads)
-            data = np.ascontiguousarray(data, dtype=np.float32)
-            yield name, torch.from_numpy(data if data.flags.writeable else data.copy())
+            shape = [int(d) for d in reversed(t.shape)]
+            if keep_blocks and name.endswith("_proj.weight"):
+                if t.tensor_type.name not in KEPT_TYPES:
+                    raise ValueError(f"quantization 'gguf' keeps {' and '.join(KEPT_TYPES)} weights as they are "
+                                     f"stored; {t.name} is {t.tensor_type.name} (leave quantization unset to load "
+                                     f"it in the model's dtype)")
+                codes, scales_zeros = unpack_blocks(t.data, t.tensor_type.name, shape)
+                yield name, self._tensor(name, codes)
+                yield f"{name}_scale", self._tensor(name, scales_zeros)
+                continue
+            yield name, self._tensor(name, np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape))
+
+    def _tensor(self, name: str, data: np.ndarray) -> torch.Tensor:
+        """A tensor of `name` as torch, its rows in transformers' order: llama.cpp interleaves Q/K rows for its
+        rope layout; undone here for the rotate-half layout."""
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+            data = _unpermute(data, self.config.num_attention_heads if ".q_proj." in name else
+                              self.config.num_key_value_heads)
+        data = np.ascontiguousarray(data)
+        return torch.from_numpy(data if data.flags.writeable else data.copy())
 
     def tokenizer(self):
         from flashpage.tokenizer import Tokenizer

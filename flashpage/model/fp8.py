@@ -15,7 +15,6 @@ from torch import nn
 
 from flashpage.kernels.fp8 import FP8, quantize_rows
 
-QUANTIZATIONS = ("fp8",)
 # Checkpoint tensors of FP8 layouts that flashpage does not use (static activation scales).
 UNUSED_TENSORS = (".input_scale",)
 
@@ -42,8 +41,14 @@ def place(dest: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> 
 
 
 def load_scale(dest: torch.Tensor, tensor: torch.Tensor, full_rows: int, start: int) -> None:
-    """A checkpoint's `weight_scale` (one for the tensor, or one per output feature: [N] or [N, 1]) into the scales
-    of rows [start, start + len(dest)) of its N."""
+    """A checkpoint's `weight_scale` (one for the tensor, or one per output feature: [N] or [N, 1]; or per output
+    feature and group of inputs, dest's shape but N rows: `flashpage.model.gguf_blocks`) into the scales of rows
+    [start, start + len(dest)) of its N."""
+    if dest.dim() > 1:
+        if tuple(tensor.shape) != (full_rows, *dest.shape[1:]):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, expected {(full_rows, *dest.shape[1:])}")
+        dest.copy_(tensor[start:start + dest.shape[0]])
+        return
     t = tensor.float().reshape(-1)
     if t.numel() == 1:
         dest.copy_(t.expand(dest.shape[0]))
