@@ -80,11 +80,14 @@ def _decode_groups(block_table, seq_lens_k, page: int, window: int):
 
 def read_slots(kv_cache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values at cache slots [...] as `dtype` [..., Hkv, D], dequantized."""
-    k, v = (x.view(-1, *x.shape[2:])[slots].to(dtype) for x in (kv_cache.k, kv_cache.v))
+    def gather(x):  # (index_select on a flat index: half the time of indexing by slots [G, L] here)
+        return x.reshape(-1, *x.shape[2:]).index_select(0, slots.flatten()).view(*slots.shape, *x.shape[2:])
+
+    k, v = gather(kv_cache.k).to(dtype), gather(kv_cache.v).to(dtype)
     if kv_cache.k_scale is None:
         return k, v
     if kv_cache.scaled_per_token:  # INT8: [blocks, Hkv, block_size] scales
-        return tuple(x * s.transpose(1, 2).flatten(0, 1)[slots][..., None].to(dtype)
+        return tuple(x * gather(s.transpose(1, 2))[..., None].to(dtype)
                      for x, s in ((k, kv_cache.k_scale), (v, kv_cache.v_scale)))
     return k * kv_cache.k_scale[:, None].to(dtype), v * kv_cache.v_scale[:, None].to(dtype)  # FP8: per KV head
 
