@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import signal
 import sys
 
@@ -99,14 +98,9 @@ def _serve(args) -> int:
     try:
         import uvicorn
 
-        from flashpage.engine.runner import default_cpu_threads
         from flashpage.server.app import build_app
         from flashpage.server.async_engine import AsyncEngine
 
-        if args.cpu_threads is None and "OMP_NUM_THREADS" not in os.environ:
-            # A server's event loop needs a core of its own: on a 2-core machine, 32 requests at once were served at
-            # 34 output tok/s with PyTorch on both cores and at 79 with it on one (docs/cpu.md).
-            args.cpu_threads = max(1, default_cpu_threads() - 1)
         llm = _llm(args)
         engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
         app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, api_key=args.api_key)
