@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import signal
 import sys
+import threading
 
 from flashpage.engine.config import EngineConfig
 
@@ -102,31 +103,41 @@ def _serve(args) -> int:
         from flashpage.server.async_engine import AsyncEngine
 
         llm = _llm(args)
-        engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting)
+        engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting, start=False)
         app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, api_key=args.api_key)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"flashpage: error: {e}", file=sys.stderr)
         return 2
     grace = args.shutdown_timeout
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_graceful_shutdown=grace + 10))
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            # uvicorn stops accepting and then waits for open responses; the engine refuses new requests, lets the
-            # running ones go on for `grace` seconds and then aborts them, which ends every open stream.
-            engine.shutdown(grace, wait=False)
-            super().handle_exit(sig, frame)
+    def stop(*_):
+        # uvicorn stops accepting and then waits for open responses; the engine refuses new requests, lets the
+        # running ones go on for `grace` seconds and then aborts them, which ends every open stream. A second
+        # signal stops at once.
+        server.force_exit = server.should_exit
+        server.should_exit = True
+        engine.shutdown(grace, wait=False)
 
-    # uvicorn re-raises SIGTERM under the handler it found once it has shut down: make that one exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                   timeout_graceful_shutdown=grace + 10))
+    def serve_http():
+        try:
+            server.run()  # (off the main thread uvicorn leaves the signals to us)
+        finally:
+            engine.shutdown(0, wait=False)  # the HTTP side ended (or never started): so does the engine
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     engine.on_failure = lambda e: setattr(server, "should_exit", True)  # requests got 503s; the server exits 1
-    server.run()
+    http = threading.Thread(target=serve_http, name="flashpage-http")
+    http.start()
+    engine.run()  # the engine steps on the thread that loaded the model (AsyncEngine's docstring says why)
+    http.join()
     llm.shutdown()
     if engine.failed:
         print(f"flashpage: error: {engine.failed}", file=sys.stderr)
         return 1
-    return 0
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

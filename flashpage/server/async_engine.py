@@ -1,6 +1,9 @@
-"""AsyncEngine: one background thread steps the LLMEngine; each request gets a mailbox of updates.
+"""AsyncEngine: one thread steps the LLMEngine; each request gets a mailbox of updates.
 
-Only that thread touches the engine. Requests and aborts reach it through a thread-safe inbox, and each
+Only that thread touches the engine: a background thread of its own, or (`start=False`, `flashpage serve`) the
+caller's, which calls `run()`. On a CPU the thread that loaded the model should be the one that steps it: PyTorch's
+OpenMP team belongs to the thread that first ran parallel work, and a second team in another thread makes
+OpenMP throttle its waiting on a machine with few cores, which cost a third of the decode speed (docs/cpu.md). Requests and aborts reach it through a thread-safe inbox, and each
 step's results go back to the event loop with call_soon_threadsafe. The waiting queue is bounded, so
 overload is refused at the door instead of exhausting memory.
 """
@@ -31,7 +34,7 @@ class Update:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256, start: bool = True):
         self.engine = engine
         self.max_waiting = max_waiting
         self.stats: dict = engine.stats()
@@ -46,8 +49,9 @@ class AsyncEngine:
         self.failed: WorkerFailed | None = None  # why the engine stopped for good (a tensor-parallel rank died)
         self.on_failure = None  # called from the engine thread with that error (the server exits)
         self._stats_time = 0.0
-        self._thread = threading.Thread(target=self._loop, name="flashpage-engine", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self.run, name="flashpage-engine", daemon=True)
+        if start:
+            self._thread.start()
 
     @property
     def max_model_len(self) -> int:
@@ -98,11 +102,12 @@ class AsyncEngine:
             if not self._stop:
                 self._stop, self._deadline = True, time.perf_counter() + grace
         self._wake.set()
-        if wait:
+        if wait and self._thread.ident is not None:
             self._thread.join(grace + 10)
 
     # ----- the engine thread ---------------------------------------------------------------------
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """Step the engine until shut down (or failed): the background thread's work, or the caller's."""
         eng = self.engine
         while True:
             self._drain_inbox()
