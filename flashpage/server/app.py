@@ -127,7 +127,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         texts = [p if isinstance(p, str) and not body.truncate_prompt_tokens else _decode(ids, tokenizer)
                  for p, ids in zip(body.prompts(), prompts)]
         rid = f"cmpl-{secrets.token_hex(12)}"
-        streams = [engine.generate(f"{rid}-{i}", ids, params) for i, ids in enumerate(prompts)]
+        streams = [engine.generate(f"{rid}-{i}", ids, params, stream=bool(body.stream))
+                   for i, ids in enumerate(prompts)]
         n, k = params.n, body.logprobs
 
         def echoed(out: RequestOutput, i: int):
@@ -192,7 +193,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
             ids = ids[-body.truncate_prompt_tokens:]
         _validate(engine, ids, params)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
-        streams = [engine.generate(rid, ids, params, prompt=text)]
+        streams = [engine.generate(rid, ids, params, prompt=text, stream=bool(body.stream))]
         if body.stream:
             def chunk(_, out, o, delta, tokens, finish):
                 return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
@@ -301,6 +302,9 @@ class _Timing:
 
     def observe(self, i: int, update: Update) -> None:
         out, m = update.output, self.metrics
+        if self.first[i] is None and out.finished and out.metrics.first_token_time is not None:
+            self._observe_final(i, out)
+            return
         for o in out.outputs:
             key = (i, o.index)
             prev_t, prev_n = self.last.get(key, (None, 0))
@@ -322,6 +326,23 @@ class _Timing:
         if out.finished:
             m.e2e.observe(update.time - self.start)
             m.request_finished(out.metrics)
+
+    def _observe_final(self, i: int, out: RequestOutput) -> None:
+        """A request seen only at its end (not streamed: `AsyncEngine.generate(stream=False)`): its time to first
+        token and its mean inter-token latency from the engine's own times."""
+        m, t = self.metrics, out.metrics
+        self.first[i] = t.first_token_time
+        m.ttft.observe(t.first_token_time - t.arrival_time)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        for o in out.outputs:
+            n = len(o.token_ids)
+            m.generation_tokens.inc(n)
+            for _ in range(n - 1):
+                m.itl.observe((t.last_token_time - t.first_token_time) / (n - 1))
+            self.ended.add((i, o.index))
+            m.requests.labels(o.finish_reason).inc()
+        m.e2e.observe(t.finished_time - t.arrival_time)
+        m.request_finished(t)
 
     def close(self, num_samples: int) -> None:
         """The response is over: samples that never ended were aborted (their client left)."""

@@ -62,8 +62,10 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)  # reads configuration only: safe from any thread
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[Update]:
-        """Updates for one request until it finishes. Leaving the iteration early aborts the request."""
+                       prompt: str | None = None, stream: bool = True) -> AsyncIterator[Update]:
+        """Updates for one request until it finishes (`stream=False`: its final one only, which spares the event
+        loop a wake-up per step, and so the engine's thread the wait for the GIL). Leaving the iteration early
+        aborts the request."""
         q = _Mailbox()
         with self._lock:  # (the inbox is filled under the lock: a failing engine answers everything in it)
             if self.failed:
@@ -73,7 +75,7 @@ class AsyncEngine:
             if self.stats["num_waiting"] + self._pending >= self.max_waiting:
                 raise EngineOverloaded(f"too many waiting requests (max {self.max_waiting})")
             self._pending += 1
-            self._queues[request_id] = (q, asyncio.get_running_loop())
+            self._queues[request_id] = (q, asyncio.get_running_loop(), stream)
             self._inbox.put(("add", request_id, prompt_token_ids, params, prompt))
         self._wake.set()
         finished = False
@@ -192,7 +194,7 @@ class AsyncEngine:
         by_loop: dict = {}
         for request_id, item in items:
             entry = self._queues.get(request_id)
-            if entry is not None:
+            if entry is not None and (entry[2] or not isinstance(item, Update) or item.output.finished):
                 by_loop.setdefault(entry[1], []).append((entry[0], item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
