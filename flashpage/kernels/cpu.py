@@ -87,7 +87,8 @@ def read_slots(kv_cache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch
     if kv_cache.k_scale is None:
         return k, v
     if kv_cache.scaled_per_token:  # INT8: [blocks, Hkv, block_size] scales
-        return tuple(x * gather(s.transpose(1, 2))[..., None].to(dtype)
+        block, offset = slots // kv_cache.block_size, slots % kv_cache.block_size
+        return tuple(x * s[block, :, offset][..., None].to(dtype)
                      for x, s in ((k, kv_cache.k_scale), (v, kv_cache.v_scale)))
     return k * kv_cache.k_scale[:, None].to(dtype), v * kv_cache.v_scale[:, None].to(dtype)  # FP8: per KV head
 
