@@ -19,7 +19,8 @@ from test_gguf import tiny_hf_model
 
 def blocks_of(shape, qtype, gen):
     """Random weights quantized by gguf's own quantizer: (bytes, the weights gguf dequantizes them to)."""
-    w = gen.standard_normal(shape).astype(np.float32) * 0.05 + gen.standard_normal((shape[0], 1)).astype(np.float32) * 0.02
+    rows = gen.standard_normal((shape[0], 1)).astype(np.float32) * 0.02  # (rows off zero: Q4_1's minimum matters)
+    w = gen.standard_normal(shape).astype(np.float32) * 0.05 + rows
     raw = gguf.quants.quantize(w, qtype)
     return raw, gguf.quants.dequantize(raw, qtype).reshape(shape)
 

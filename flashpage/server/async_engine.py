@@ -1,11 +1,13 @@
 """AsyncEngine: one thread steps the LLMEngine; each request gets a mailbox of updates.
 
 Only that thread touches the engine: a background thread of its own, or (`start=False`, `flashpage serve`) the
-caller's, which calls `run()`. On a CPU the thread that loaded the model should be the one that steps it: PyTorch's
-OpenMP team belongs to the thread that first ran parallel work, and a second team in another thread makes
-OpenMP throttle its waiting on a machine with few cores, which cost a third of the decode speed (docs/cpu.md). Requests and aborts reach it through a thread-safe inbox, and each
-step's results go back to the event loop with call_soon_threadsafe. The waiting queue is bounded, so
-overload is refused at the door instead of exhausting memory.
+caller's, which calls `run()`. Requests and aborts reach it through a thread-safe inbox, and each step's results
+go back to the event loop with call_soon_threadsafe. The waiting queue is bounded, so overload is refused at the
+door instead of exhausting memory.
+
+On a CPU the thread that loaded the model should be the one that steps it: PyTorch's OpenMP team belongs to the
+thread that first ran parallel work, and a second team in another thread makes OpenMP throttle its waiting on a
+machine with few cores, which cost a third of the decode speed (docs/cpu.md).
 """
 
 from __future__ import annotations
