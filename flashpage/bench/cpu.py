@@ -4,7 +4,8 @@ the same run, at batch 1 and 32 (the README's CPU table).
 Each batch is --prompt-len random prompt tokens per sequence and exactly --max-tokens greedy tokens out (EOS
 ignored), after one warm-up each. transformers and flashpage's float32 run multiply the GGUF's weights dequantized
 to float32; flashpage's `gguf` run keeps them in their 4-bit blocks (`quantization="gguf"`). Prints output tok/s
-and the ratios; `--out` writes JSON.
+and the ratios, and the ceiling of one prompt: a token reads every weight once, so no engine passes the model's
+bytes at this machine's copy rate (measured in the same run); `--out` writes JSON.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
                "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                "batches": []}
+    results["copy_gb_s"] = copy_rate = copy_gb_per_s()
+    results["weight_bytes"] = {name: sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+                               for name, llm in engines.items()}
+    print(f"copy rate {copy_rate:.1f} GB/s; one prompt's ceiling (weights read once a token): " + ", ".join(
+        f"{name} {copy_rate * 1e9 / b:.1f} tok/s ({b / 1e6:.0f} MB)" for name, b in results["weight_bytes"].items()))
     for batch in map(int, args.batch_sizes.split(",")):
         prompts = torch.randint(100, engines["gguf"].config.vocab_size, (batch, args.prompt_len), generator=gen)
         row = {"batch": batch}
@@ -60,6 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def copy_gb_per_s(size: int = 1 << 29) -> float:
+    """Median rate of copying `size` bytes, read plus written, over five copies (after one)."""
+    src, dst = torch.ones(size // 4), torch.empty(size // 4)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * size / sorted(times)[2] / 1e9
 
 
 if __name__ == "__main__":
