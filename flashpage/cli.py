@@ -101,10 +101,11 @@ def _serve(args) -> int:
 
         from flashpage.server.app import build_app
         from flashpage.server.async_engine import AsyncEngine
+        from flashpage.server.engine_core import EngineProcess
 
-        llm = _llm(args)
-        engine = AsyncEngine(llm.engine, max_waiting=args.max_waiting, start=False)
-        app = build_app(engine, llm.tokenizer, args.served_model_name or args.model, api_key=args.api_key)
+        core = EngineProcess(dataclasses.asdict(EngineConfig.from_cli(args)))  # (returns once the model is loaded)
+        engine = AsyncEngine(core, max_waiting=args.max_waiting, start=False)
+        app = build_app(engine, core.tokenizer, args.served_model_name or args.model, api_key=args.api_key)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"flashpage: error: {e}", file=sys.stderr)
         return 2
@@ -131,9 +132,9 @@ def _serve(args) -> int:
     engine.on_failure = lambda e: setattr(server, "should_exit", True)  # requests got 503s; the server exits 1
     http = threading.Thread(target=serve_http, name="flashpage-http")
     http.start()
-    engine.run()  # the engine steps on the thread that loaded the model (AsyncEngine's docstring says why)
+    engine.run()  # relays the engine process's outputs until it stops
     http.join()
-    llm.shutdown()
+    core.join(10)
     if engine.failed:
         print(f"flashpage: error: {engine.failed}", file=sys.stderr)
         return 1

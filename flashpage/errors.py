@@ -8,6 +8,9 @@ class ParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # (pickled whole: the engine's process sends it to the server's)
+        return ParameterError, (self.param, str(self))
+
 
 class DictSetting:
     """A dict-valued engine setting (`speculative_config`, `sparse_attention`) as it is checked: a dict holding

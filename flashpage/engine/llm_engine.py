@@ -27,6 +27,7 @@ from flashpage.engine.spec.medusa import with_head_count
 from flashpage.engine.spec.typical import kept_token, typical_walk
 from flashpage.engine.step import SampledToken, StepPlan
 from flashpage.engine.structured import StructuredOutputs
+from flashpage.engine.validation import EngineLimits, RequestValidator
 from flashpage.errors import ParameterError
 from flashpage.kv import BlockManager
 from flashpage.loader import LoadedModel, model_config
@@ -96,6 +97,9 @@ class LLMEngine:
         sparse = cfg.sparse
         self.sparse_stats = SparseStats(sparse, self.runner.config.head_dim) if sparse else None
         self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
+        self.limits = EngineLimits(self.config.vocab_size, cfg.max_model_len, cfg.max_logprobs, cfg.block_size,
+                                   self.bm.num_blocks, tuple(sorted(self.eos_ids)))
+        self.validator = RequestValidator(self.limits, self.tokenizer, self.structured)
         # What start-up built (the model, its parameters, the CUDA graphs) lives as long as the engine: freezing it
         # keeps the garbage collector's full passes, which the per-step objects trigger, from walking it (as vLLM).
         gc.collect()
@@ -108,40 +112,7 @@ class LLMEngine:
     # ----- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError (a ParameterError naming the field) if the request can never run; changes nothing."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"expected SamplingParams, got {type(params).__name__}")
-        if not prompt_token_ids:
-            raise ParameterError("prompt", "prompt is empty")
-        vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            raise ParameterError("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        n, limit = len(prompt_token_ids), self.cfg.max_model_len
-        if n >= limit:
-            raise ParameterError("prompt", f"prompt has {n} tokens, which leaves no room to generate within the "
-                                 f"model's context (max_model_len={limit})")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise ParameterError("max_tokens", f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
-                                 f"{n + params.max_tokens} tokens, over the model's context (max_model_len={limit}); "
-                                 f"lower max_tokens or shorten the prompt")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            k = vocab if k == -1 else k
-            if k is not None and self.cfg.max_logprobs != -1 and k > self.cfg.max_logprobs:
-                raise ParameterError(name, f"{name}={getattr(params, name)} asks for {k} log-probs per token, over "
-                                     f"max_logprobs={self.cfg.max_logprobs} (an engine setting)")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", params.logit_bias)):
-            if ids and not all(t < vocab for t in ids):
-                raise ParameterError(name, f"{name} holds token ids outside the vocabulary [0, {vocab})")
-        if params.bad_words and self.tokenizer is None:
-            raise ParameterError("bad_words", "bad_words need a tokenizer, and this model has none")
-        if params.structured_outputs is not None:
-            self.structured.matcher(params.structured_outputs)  # compiles it (once), or names what is wrong
-        longest = limit if params.max_tokens is None else n + params.max_tokens
-        need = -(-longest // self.cfg.block_size)
-        if need > self.bm.num_blocks:
-            raise ParameterError("max_tokens", f"request needs up to {need} KV blocks ({longest} tokens) but the "
-                                 f"cache has {self.bm.num_blocks}; lower max_tokens or enlarge the cache")
+        self.validator(prompt_token_ids, params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:

@@ -1,0 +1,125 @@
+"""The engine in a process of its own (what `flashpage serve` runs): its outputs cross the pipe as deltas and come
+out equal to the engine's own; load errors reach the caller; a dead engine process fails what was open."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+
+from flashpage import SamplingParams
+from flashpage.engine.config import EngineConfig
+from flashpage.engine.llm_engine import LLMEngine
+from flashpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from flashpage.server.async_engine import AsyncEngine
+from flashpage.server.engine_core import DeltaDecoder, DeltaEncoder, EngineProcess
+
+SETTINGS = {"model": "smollm2-135m", "load_format": "dummy", "device": "cpu", "max_model_len": 128}
+
+
+def test_deltas_rebuild_every_output_exactly():
+    """Random histories of several requests (n samples each), whose texts grow by steps that may end by cutting
+    them short (a stop string found in text already sent): the decoder's outputs equal the encoder's inputs."""
+    rng = random.Random()
+    enc, dec = DeltaEncoder(), DeltaDecoder()
+    live = {f"r{i}": [("", [], []) for _ in range(rng.randint(1, 3))] for i in range(5)}
+    while live:
+        for rid in rng.sample(sorted(live), rng.randint(1, len(live))):
+            samples = []
+            for text, ids, lps in live[rid]:
+                for _ in range(rng.randint(0, 3)):
+                    t = rng.randrange(1000)
+                    text, ids = text + rng.choice(["a", " b", "ç", "", "\n"]), ids + [t]
+                    lps = lps + [{t: Logprob(-rng.random(), 1, str(t))}]
+                if rng.random() < 0.15 and text:  # then cut short, perhaps below what was sent
+                    text, keep = text[:rng.randrange(len(text))], rng.randrange(len(ids) + 1)
+                    ids, lps = ids[:keep], lps[:keep]
+                samples.append((text, ids, lps))
+            live[rid] = samples
+            finished = rng.random() < 0.2
+            out = RequestOutput(rid, "p", [1, 2], [CompletionOutput(i, t, list(ids), "stop" if finished else None,
+                                                                    None, -1.0, list(lps))
+                                                   for i, (t, ids, lps) in enumerate(samples)],
+                                finished, [None, {2: Logprob(-0.5)}], RequestMetrics(1.0, 2.0))
+            assert dec.apply(rid, enc.encode(out)) == out
+            if finished:
+                del live[rid]
+    assert not enc._sent and not dec._latest  # nothing kept of finished requests
+
+
+@pytest.fixture(scope="module")
+def engine_process():
+    core = EngineProcess(SETTINGS)
+    engine = AsyncEngine(core, max_waiting=8)
+    yield engine
+    engine.shutdown()
+
+
+async def _run(engine: AsyncEngine, requests: dict, stream: bool = True) -> dict[str, RequestOutput]:
+    async def one(rid, ids, params):
+        async for update in engine.generate(rid, ids, params, stream=stream):
+            last = update.output
+        return rid, last
+    return dict(await asyncio.gather(*(one(rid, ids, p) for rid, (ids, p) in requests.items())))
+
+
+def test_engine_process_outputs_equal_the_engine_in_this_process(engine_process):
+    rng = random.Random()
+    requests = {f"q{i}": ([rng.randrange(1, 40000) for _ in range(rng.randint(1, 20))],
+                          SamplingParams(temperature=0 if i % 2 else 0.8, seed=i, n=1 + i % 3, logprobs=i % 3,
+                                         max_tokens=rng.randint(1, 12), ignore_eos=True))
+                for i in range(6)}
+    here = AsyncEngine(LLMEngine(EngineConfig.from_settings(**SETTINGS)))
+    try:
+        want = asyncio.run(_run(here, requests))
+    finally:
+        here.shutdown()
+    for stream in (True, False):
+        got = asyncio.run(_run(engine_process, requests, stream))
+        for rid in requests:
+            flat = [[(o.index, t, lp.logprob) for o in out[rid].outputs for e in o.logprobs for t, lp in e.items()]
+                    for out in (got, want)]
+            assert [x[:2] for x in flat[0]] == [x[:2] for x in flat[1]]
+            assert [x[2] for x in flat[0]] == pytest.approx([x[2] for x in flat[1]], abs=1e-4)
+            assert [(o.token_ids, o.finish_reason) for o in got[rid].outputs] == \
+                [(o.token_ids, o.finish_reason) for o in want[rid].outputs]
+            assert got[rid].finished and got[rid].prompt_token_ids == requests[rid][0]
+    s = engine_process.stats
+    assert s["num_running"] == s["num_waiting"] == s["kv_slots_allocated"] == 0
+
+
+def test_bad_input_is_refused_here_and_the_engine_goes_on(engine_process):
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        engine_process.validate([1] * 100, SamplingParams(max_tokens=64))
+    out = asyncio.run(_run(engine_process, {"ok": ([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))}))
+    assert len(out["ok"].outputs[0].token_ids) == 3
+
+
+def test_load_error_is_raised_by_the_constructor():
+    with pytest.raises(ValueError, match="no-such-model"):
+        EngineProcess({**SETTINGS, "model": "no-such-model", "load_format": "auto"})
+
+
+def test_a_dead_engine_process_fails_open_requests_and_refuses_new_ones():
+    core = EngineProcess(SETTINGS)
+    engine = AsyncEngine(core)
+
+    async def main():
+        async def long():
+            async for _ in engine.generate("long", [1, 2], SamplingParams(max_tokens=120, ignore_eos=True)):
+                pass
+        task = asyncio.create_task(long())
+        while engine.stats["num_running"] == 0:
+            await asyncio.sleep(0.05)
+        os.kill(core._proc.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="engine process exited"):
+            await task
+        with pytest.raises(Exception, match="engine process exited"):
+            async for _ in engine.generate("late", [1], SamplingParams(max_tokens=1)):
+                pass
+    asyncio.run(main())
+    assert engine.failed is not None
+    engine.shutdown()
