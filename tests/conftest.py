@@ -102,3 +102,13 @@ def engine_from(llm, **cfg):
 
     loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
     return LLMEngine(EngineConfig(**{"device": "cpu", **cfg}), loaded)
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail after `timeout` seconds."""
+    import time
+
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "condition not met in time"
+        time.sleep(0.02)

@@ -10,6 +10,7 @@ import signal
 
 import pytest
 
+from conftest import wait_until
 from flashpage import SamplingParams
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
@@ -66,6 +67,10 @@ async def _run(engine: AsyncEngine, requests: dict, stream: bool = True) -> dict
     return dict(await asyncio.gather(*(one(rid, ids, p) for rid, (ids, p) in requests.items())))
 
 
+def wait_idle(engine: AsyncEngine) -> None:
+    wait_until(lambda: (s := engine.stats)["num_running"] == s["num_waiting"] == s["kv_slots_allocated"] == 0)
+
+
 def test_engine_process_outputs_equal_the_engine_in_this_process(engine_process):
     rng = random.Random()
     requests = {f"q{i}": ([rng.randrange(1, 40000) for _ in range(rng.randint(1, 20))],
@@ -87,8 +92,7 @@ def test_engine_process_outputs_equal_the_engine_in_this_process(engine_process)
             assert [(o.token_ids, o.finish_reason) for o in got[rid].outputs] == \
                 [(o.token_ids, o.finish_reason) for o in want[rid].outputs]
             assert got[rid].finished and got[rid].prompt_token_ids == requests[rid][0]
-    s = engine_process.stats
-    assert s["num_running"] == s["num_waiting"] == s["kv_slots_allocated"] == 0
+    wait_idle(engine_process)  # (the statistics come just after a step's outputs)
 
 
 def test_bad_input_is_refused_here_and_the_engine_goes_on(engine_process):
@@ -123,3 +127,16 @@ def test_a_dead_engine_process_fails_open_requests_and_refuses_new_ones():
     asyncio.run(main())
     assert engine.failed is not None
     engine.shutdown()
+
+
+def test_warm_up_leaves_the_engine_idle_and_serving():
+    engine = LLMEngine(EngineConfig.from_settings(**SETTINGS, max_num_seqs=8))
+    engine.warm_up()
+    s = engine.stats()
+    assert s["num_running"] == s["num_waiting"] == s["kv_slots_allocated"] == 0 and not engine.requests
+    assert s["prefix_cache_hits"] > 0  # (its last wave's prompt began with a cached block)
+    engine.add_request("after", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].outputs[0].token_ids) == 2

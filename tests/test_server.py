@@ -357,7 +357,8 @@ def test_bench_serve_reports_throughput_and_latencies(served, tmp_path, capsys):
 
     out = tmp_path / "bench.json"
     rc = main(["--url", served[0].url, "--api-key", KEY, "--num-prompts", "6", "--request-rate", "20",
-               "--input-len", "12", "--output-len", "5", "--vocab", "40000", "--json", str(out)])
+               "--input-len", "12", "--output-len", "5", "--vocab", "40000", "--json", str(out),
+               "--client-processes", "2"])
     result = json.loads(out.read_text())
     assert rc == 0 and result["completed"] == 6 and result["failed"] == 0
     assert result["output_token_throughput"] > 0 and result["ttft"]["median_ms"] > 0 and result["itl"]["p99_ms"] > 0

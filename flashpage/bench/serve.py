@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import time
@@ -29,6 +31,7 @@ import httpx
 @dataclass
 class RequestResult:
     ok: bool
+    start: float = 0.0  # perf_counter (system-wide on Linux: comparable between the client's processes)
     ttft: float = 0.0
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
@@ -38,7 +41,7 @@ class RequestResult:
 
 async def one_request(http: httpx.AsyncClient, body: dict, headers: dict) -> RequestResult:
     start = time.perf_counter()
-    last, res = None, RequestResult(ok=False)
+    last, res = None, RequestResult(ok=False, start=start)
     try:
         async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -61,9 +64,11 @@ async def one_request(http: httpx.AsyncClient, body: dict, headers: dict) -> Req
                     else:
                         res.itls += [(now - last) / new] * new
                     last, res.output_tokens = now, tokens
-        res.latency, res.ok = time.perf_counter() - start, True
+        res.ok = True
     except httpx.HTTPError as e:
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        res.latency = time.perf_counter() - start
     return res
 
 
@@ -100,25 +105,54 @@ def offline_rate(args, prompts: list[list[int]]) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
-async def run(args, prompts: list[list[int]]) -> dict:
+def arrival_offsets(args) -> list[float]:
+    """When each request is sent, in seconds after the start: a Poisson process at --request-rate (inf: all at 0)."""
     rng = random.Random(args.seed)
+    if not math.isfinite(args.request_rate):
+        return [0.0] * args.num_prompts
+    gaps = (rng.expovariate(args.request_rate) for _ in range(args.num_prompts - 1))
+    return list(itertools.accumulate(gaps, initial=0.0))
+
+
+async def send(args, bodies: list[dict], offsets: list[float], start: float) -> list[RequestResult]:
+    """Send each body at start + its offset; the results, in order."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    bodies = [{"model": args.model, "prompt": prompt,
-               "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
-               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-              for prompt in prompts]
     # httpx holds at most 100 connections unless told: more requests than that would queue in the client, in
     # waves of 100, and the benchmark would measure the client
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=args.url, timeout=httpx.Timeout(600.0), limits=limits) as http:
-        start = time.perf_counter()
         tasks = []
-        for body in bodies:
+        for body, offset in zip(bodies, offsets):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(one_request(http, body, headers)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        return await asyncio.gather(*tasks)
+
+
+def _client_process(args, bodies, offsets, barrier, results) -> None:
+    barrier.wait()
+    results.put(asyncio.run(send(args, bodies, offsets, time.perf_counter())))
+
+
+def run(args, prompts: list[list[int]]) -> dict:
+    bodies = [{"model": args.model, "prompt": prompt,
+               "max_tokens": args.output_len, "ignore_eos": True, "temperature": 0, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+              for prompt in prompts]
+    offsets = arrival_offsets(args)
+    n = args.client_processes
+    if n == 1:
+        results = asyncio.run(send(args, bodies, offsets, time.perf_counter()))
+    else:  # request i from process i % n, at its own time: one Python process parses at most ~10k events/s
+        ctx = multiprocessing.get_context("spawn")
+        barrier, queue = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_client_process, args=(args, bodies[i::n], offsets[i::n], barrier, queue))
+                 for i in range(n)]
+        for proc in procs:
+            proc.start()
+        results = [r for _ in procs for r in queue.get()]
+        for proc in procs:
+            proc.join()
+    duration = max(r.start + r.latency for r in results) - min(r.start for r in results)
     ok = [r for r in results if r.ok]
     itls = [x for r in ok for x in r.itls]
 
@@ -151,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=32000, help="prompt token ids are drawn from [100, vocab)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="spread the requests over this many client processes (a Python client parses about 10k "
+                        "streamed events a second: more would measure the client)")
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--compare-offline", action="store_true",
                    help="then run the same requests through LLM.generate here and report the server's fraction of it")
@@ -164,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = httpx.get(f"{args.url}/v1/models", headers=headers).json()["data"][0]["id"]
     prompts = make_prompts(args)
     before = spec_counters(args)
-    result = asyncio.run(run(args, prompts))
+    result = run(args, prompts)
     after = spec_counters(args)
     drafts, proposed, accepted = (after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens",
                                                                              "num_accepted_tokens"))

@@ -224,7 +224,9 @@ def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, tur
              out.to(Out.dtype.element_ty), mask=(out_rows < q_len * GROUP)[:, None])
 
 
-@gluon.jit
+# The block table's row stride is its width, the longest sequence of the step in pages: specialised (1, a multiple
+# of 16, other) it would compile the kernel again while serving, for seconds, whenever a step's width changes class.
+@gluon.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,

@@ -208,6 +208,8 @@ def _engine_process_main(conn, settings: dict) -> None:
         base = next(t for t in (ValueError, OSError, RuntimeError) if isinstance(e, t))
         conn.send(("error", base(str(e))))  # (as its base type: any subclass unpickles on the other side)
         return
+    if llm.engine.cfg.device == "cuda":  # (no kernel is compiled on first use on a CPU)
+        llm.engine.warm_up()
     loop = EngineLoop(llm.engine)
     conn.send(("ready", EngineInfo(llm.engine.limits, llm.tokenizer, loop.initial_stats)))
 
