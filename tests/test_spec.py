@@ -254,13 +254,11 @@ def tiny_pair(tiny_checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("tree_width", [1, 3])
 def test_draft_model_greedy_identity_with_rejections_and_draft_rollback(tiny_pair, tree_width):
-    """tree_width 3: the draft proposes trees of its likeliest tokens (EAGLE-2's search) instead of sampled chains;
-    point masses, so seeded sampled requests keep their tokens too."""
+    """tree_width 3: the draft proposes trees of its likeliest tokens (EAGLE-2's search) instead of chains."""
     target, draft = tiny_pair
     rng = random.Random(int(torch.randint(1 << 30, ())))
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 9, 40, 70, 17, 3)]
-    params = [SamplingParams(temperature=0 if i % 2 or tree_width == 1 else 0.8, seed=i, max_tokens=25,
-                             ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0, seed=i, max_tokens=25, ignore_eos=True) for i in range(len(prompts))]
     base = run(LLMEngine(EngineConfig(model=target, device="cpu")), prompts, params)
     engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_batched_tokens=32, num_gpu_blocks=9,
                                     speculative_config={"model": draft, "num_speculative_tokens": 3,
@@ -275,12 +273,19 @@ def test_draft_model_greedy_identity_with_rejections_and_draft_rollback(tiny_pai
     assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks
 
 
-def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair):
+@pytest.mark.parametrize("tree_width", [1, 3])
+def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair, tree_width, monkeypatch):
     """Second tokens (the first that a verification draws) of many seeded requests, given the most common first
-    token, against the target's own filtered distribution: the draft differs from the target on purpose."""
+    token, against the target's own filtered distribution: the draft differs from the target on purpose. Trees
+    (tree_width 3): each node's children drawn without replacement, verified by multi-branch speculative sampling."""
     target, draft = tiny_pair
     engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_seqs=512, speculative_config={
-        "model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None}))  # (speculate at any batch)
+        "model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None,  # (speculate at any batch)
+        "tree_width": tree_width}))
+    from flashpage.engine import sampler
+    branching = []
+    original = sampler._multi_branch
+    monkeypatch.setattr(sampler, "_multi_branch", lambda *a: branching.append(len(a[1])) or original(*a))
     rng = random.Random(int(torch.randint(1 << 30, ())))
     prompt, first_seed = [rng.randrange(384) for _ in range(4)], rng.randrange(1 << 40)
     params = [SamplingParams(temperature=1.0, top_k=6, seed=first_seed + s, max_tokens=3, ignore_eos=True)
@@ -299,6 +304,7 @@ def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair):
     expected = p[p > 0].double() * len(seconds)
     chi2 = float(((counts[p > 0] - expected) ** 2 / expected).sum())
     assert len(seconds) > 300 and chi2 < chi2_limit(int((p > 0).sum()) - 1), (chi2, counts, expected)
+    assert (sum(branching) > 0) == (tree_width > 1)  # (rows verifying several children went through it)
 
 
 def test_stop_strings_never_leak_when_several_tokens_land_in_one_step(smollm_llm):

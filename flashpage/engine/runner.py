@@ -204,8 +204,8 @@ class ModelRunner:
             logits = logits.index_select(0, upload(picked, torch.int64, dev))
         self.last_logits = logits
         draft_tokens = None
-        if any(spec.draft_token >= 0 for spec in plan.samples):
-            draft_tokens = upload([spec.draft_token for spec in plan.samples], torch.int64, dev)
+        if any(spec.draft_tokens for spec in plan.samples):
+            draft_tokens = [spec.draft_tokens for spec in plan.samples]
             draft_probs = draft_probs.index_select(0, upload([max(spec.draft_row, 0) for spec in plan.samples],
                                                              torch.int64, dev))
         bitmask = token_bitmask() if token_bitmask else None

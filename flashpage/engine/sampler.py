@@ -7,12 +7,15 @@ chosen tokens (and top-k where asked) are computed on the device too; nothing he
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from flashpage.engine.inputs import upload
+from flashpage.engine.spec.multi_branch import multi_branch_draw
+from flashpage.kernels.reference import filter_probs
 from flashpage.engine.step import SampleRow
 
 
@@ -25,38 +28,62 @@ class Sampled:
     top_logprobs: torch.Tensor | None
 
 
-def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: torch.Tensor | None = None,
+def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: list[tuple[int, ...]] | None = None,
                 draft_probs: torch.Tensor | None = None, bitmask: torch.Tensor | None = None) -> Sampled:
-    """logits [B, V] float32 (modified in place), one row per SampleRow. Rows with a draft token (>= 0 in
-    draft_tokens [B], drawn from that row of draft_probs [B, V]) verify it with the rejection sampler. bitmask
-    [B, ceil(V / 32)] int32 on the device: the grammar masks of constrained rows (bit t % 32 of word t // 32 allows
-    token t)."""
+    """logits [B, V] float32 (modified in place), one row per SampleRow. Rows with draft tokens (drawn from that row
+    of draft_probs [B, V]) verify them: one with the rejection sampler, several (a tree node's children, in the
+    order drawn) with multi-branch speculative sampling. bitmask [B, ceil(V / 32)] int32 on the device: the grammar
+    masks of constrained rows (bit t % 32 of word t // 32 allows token t)."""
     dev, vocab = logits.device, logits.shape[-1]
-    masked = [(i, t) for i, r in enumerate(rows) for t in r.blocked]
     params = [r.params for r in rows]
+    single = branching = None
+    if draft_tokens is not None:
+        single = upload([d[0] if len(d) == 1 else -1 for d in draft_tokens], torch.int64, dev)
+        branching = [i for i, d in enumerate(draft_tokens) if len(d) > 1 and params[i].temperature > 0]
+    masked = [(i, t) for i, r in enumerate(rows) for t in r.blocked]
     k = max((vocab if p.logprobs == -1 else p.logprobs for p in params if p.logprobs), default=0)
     ranked = any(p.logprobs is not None for p in params)
     # Log-probabilities are reported under the raw distribution: taken before penalties and masks change it.
     # Otherwise the chosen tokens' own come with them, and a full log-softmax is only for top-k and ranks.
     changed = bool(masked) or any(p.changes_logits for p in params)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if changed or ranked else None
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if changed or ranked or branching else None
     _restrict(logits, rows)
     _penalise(ops, logits, rows)
     if bitmask is not None:
         ops.apply_token_bitmask(logits, bitmask)
     if masked:
         logits[upload([i for i, _ in masked], torch.int64, dev), upload([t for _, t in masked], torch.int64, dev)] = float("-inf")
+    if branching:  # (the rows as the sampler sees them, before its kernel)
+        tree_draws = _multi_branch(logits[branching], [rows[i] for i in branching],
+                                   [draft_tokens[i] for i in branching], draft_probs[branching])
     if all(p.greedy for p in params):
         tokens, chosen = ops.greedy(logits)
     else:
         tokens, chosen = ops.sample(logits, *_sampling_tensors(rows, vocab, dev),
                                     filtered=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
-                                    draft_tokens=draft_tokens, draft_probs=draft_probs)
+                                    draft_tokens=single, draft_probs=draft_probs)
+    if branching:
+        tokens[upload(branching, torch.int64, dev)] = tree_draws
     if raw_logprobs is not None:  # (the same values the ranks and top-k compare against)
         chosen = raw_logprobs.gather(-1, tokens[:, None])[:, 0]
     ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1 if ranked else None
     top = raw_logprobs.topk(k, dim=-1) if k else None
     return Sampled(tokens, chosen, ranks, top.indices if top else None, top.values if top else None)
+
+
+def _multi_branch(logits: torch.Tensor, rows: list[SampleRow], children: list[tuple[int, ...]],
+                  q: torch.Tensor) -> torch.Tensor:
+    """The draws of rows verifying a tree node's children (engine/spec/multi_branch.py): the target's distribution
+    as the sampler's (temperature, then top-k, top-p and min-p), its random numbers from each row's seed."""
+    dev, m = logits.device, max(len(c) for c in children)
+    temperature, top_k, top_p, min_p, _ = _sampling_tensors(rows, logits.shape[-1], dev)
+    p = filter_probs(torch.softmax(logits.float() / temperature[:, None], dim=-1), top_k, top_p, min_p)
+    p = p / p.sum(-1, keepdim=True)
+    uniforms = upload([[random.Random(r.seed ^ 0x5EED ^ j).random() for j in range(m)] for r in rows],
+                      torch.float32, dev)
+    generators = [torch.Generator(dev).manual_seed(r.seed) for r in rows]
+    return multi_branch_draw(p, q, upload([[*c, *[-1] * (m - len(c))] for c in children], torch.int64, dev),
+                             uniforms, generators)
 
 
 def _restrict(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -104,3 +131,4 @@ def _penalise(ops, logits: torch.Tensor, rows: list[SampleRow]) -> None:
     ops.apply_penalties(logits, upload(entry_rows, torch.int32, dev), upload(tokens, torch.int64, dev),
                         upload(counts, torch.int32, dev), per_row(lambda p: p.repetition_penalty),
                         per_row(lambda p: p.presence_penalty), per_row(lambda p: p.frequency_penalty))
+

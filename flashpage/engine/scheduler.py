@@ -134,9 +134,11 @@ class Scheduler:
             paths = [[proposal[j - 1] for j in ancestors(step.tree, i)[1:]] for i in range(m + 1)] if parents else \
                 [proposal[:i] for i in range(m + 1)]
             specs = [SampleSpec(seq.seq_id, row + i, seq.sample_row(paths[i])) for i in range(m + 1)]
-            if draft_rows is not None:  # drawn from a draft model's distribution: the rejection sampler checks them
-                for spec, token, q_row in zip(specs, proposal, draft_rows):
-                    spec.draft_token, spec.draft_row = token, q_row
+            if draft_rows is not None:  # drawn from a draft model's distribution: the rejection sampler checks them,
+                # at the row drawing after each token's parent (a chain's: the row before it)
+                for i, (token, q_row) in enumerate(zip(proposal, draft_rows)):
+                    spec = specs[parents[i] + 1 if parents else i]
+                    spec.draft_tokens, spec.draft_row = (*spec.draft_tokens, token), q_row
             self._expect_token(seq, len(plan.samples))
             plan.samples += specs
         elif step.num_logits:

@@ -53,9 +53,10 @@ class SampleSpec:
     seq_id: int  # the sequence the token is for
     logits_row: int  # which row of the step's logits (rows in SeqStep order, num_logits each)
     row: SampleRow
-    # A draft model's proposed token to verify here (-1: none) and the row of the draft's probabilities it was
+    # A draft model's proposed tokens to verify here: one (a chain), or a tree node's children in the order they were
+    # drawn without replacement (engine/spec/multi_branch.py); and the row of the draft's probabilities they were
     # drawn from (the draft's tensor, which the proposer hands to the runner with the plan)
-    draft_token: int = -1
+    draft_tokens: tuple[int, ...] = ()
     draft_row: int = -1
 
 

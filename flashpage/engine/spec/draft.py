@@ -6,8 +6,9 @@ time, each fed back on the device, and reads them back once. It draws from its o
 temperature, q = softmax(draft logits / T), and keeps those rows for the target's rejection sampler, which
 applies every sampling parameter to the target's distribution p. On the next call the tokens it fed back are
 checked against what was accepted, and its cache is rolled back to the first mismatch. With `tree_width` > 1 it
-proposes token trees of its likeliest tokens instead (SpecInfer's expansion, grown as EAGLE-2 grows them),
-which the target verifies by its own draws.
+proposes token trees instead, grown as EAGLE-2 grows them (engine/spec/tree_search.py): of its likeliest tokens
+for a greedy request, which the target verifies by its own draws; for a sampled one each node's children drawn
+without replacement from q, which the target verifies by multi-branch speculative sampling (SpecInfer).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import torch
 
 from flashpage.engine.config import EngineConfig
+from flashpage.engine.inputs import upload
 from flashpage.engine.runner import ModelRunner, resolve_device
 from flashpage.engine.sequence import Sequence
 from flashpage.engine.spec.config import SpeculativeConfig
@@ -132,10 +134,11 @@ class DraftProposer:
 
     @torch.inference_mode()
     def _propose_trees(self, running: list[Sequence]) -> None:
-        """Token trees of the draft's likeliest tokens (EAGLE-2's search, engine/spec/tree_search.py), verified by
-        the target's own draws like any point-mass proposal. The draft's cache keeps known tokens only: each call
-        computes the new ones (the last token again: its logits start the tree), then one step a level, every
-        expanded node computed again as a tree (the mask covers a step's own queries only)."""
+        """Token trees (EAGLE-2's search, engine/spec/tree_search.py): a greedy request's of the draft's likeliest
+        tokens, a sampled one's drawn from q at the request's temperature (and q's rows kept for the target's
+        sampler). The draft's cache keeps known tokens only: each call computes the new ones (the last token again:
+        its logits start the tree), then one step a level, every expanded node computed again as a tree (the mask
+        covers a step's own queries only)."""
         self.probs = None
         plan, budget, drafting = StepPlan(), self.max_tokens, []
         for seq in running:
@@ -157,18 +160,31 @@ class DraftProposer:
                 drafting.append(seq)
         if not plan.seqs:
             return
-        first = torch.log_softmax(self.runner.forward(plan)[0], dim=-1)
+        logits = self.runner.forward(plan)[0]
         if not drafting:  # catching up on long prompts only
             return
+        dev = logits.device
+        temperature = [s.params.temperature or 1.0 for s in drafting]  # (a greedy request's tree is q's top-k)
+        generators = [torch.Generator(dev).manual_seed(hash((s.seed, s.index, len(s.token_ids), "tree")) % 2**63)
+                      if s.params.temperature > 0 else None for s in drafting]
+        q_rows = [torch.log_softmax(logits / upload(temperature, torch.float32, dev)[:, None], dim=-1)]
 
         def expand(trees: list[list[Node]], expanded: list[list[int]], level: int) -> torch.Tensor:
             plan, rows = level_plan([s.seq_id for s in drafting], [len(s.token_ids) - 1 for s in drafting],
                                     [list(self.bm.table(s.seq_id)) for s in drafting], trees, expanded, level)
-            logits = self.runner.forward(plan)[0]
-            return torch.log_softmax(logits[rows], dim=-1)
+            owners = [i for i, (nodes, order) in enumerate(zip(trees, expanded)) for n in order
+                      if nodes[n].depth == level]
+            logits = self.runner.forward(plan)[0][rows]
+            q_rows.append(torch.log_softmax(logits / upload([temperature[i] for i in owners], torch.float32,
+                                                            dev)[:, None], dim=-1))
+            return q_rows[-1]
 
-        for seq, (tokens, parents) in zip(drafting, grow_trees(first, expand, self.width, self.k, self.size)):
+        trees = grow_trees(q_rows[0], expand, self.width, self.k, self.size, generators)
+        if any(generators):
+            self.probs = torch.cat(q_rows).exp()
+        for seq, g, (tokens, parents, rows) in zip(drafting, generators, trees):
             seq.proposal, seq.proposal_parents = tokens, parents
+            seq.proposal_rows = rows if g is not None else None
 
     def _roll_back(self, seq: Sequence) -> int:
         """Tokens whose draft K/V still holds: drafted tokens fed back count up to the first the target did not

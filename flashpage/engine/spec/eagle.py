@@ -232,8 +232,8 @@ class EagleProposer:
                 row += len(order)
             return self._logprobs(out[rows])
 
-        for seq, (tokens, parents) in zip(drafting, grow_trees(self._logprobs(root), expand, self.width, self.depth,
-                                                                self.size)):
+        for seq, (tokens, parents, _) in zip(drafting, grow_trees(self._logprobs(root), expand, self.width,
+                                                                   self.depth, self.size)):
             seq.proposal, seq.proposal_parents = tokens, parents
 
     def release(self, seq_id: int) -> None:
