@@ -99,10 +99,14 @@ def _serve(args) -> int:
     try:
         import uvicorn
 
+        from flashpage.parallel.workers import is_worker_rank
         from flashpage.server.app import build_app
         from flashpage.server.async_engine import AsyncEngine
         from flashpage.server.engine_core import EngineProcess
 
+        if is_worker_rank():  # under torchrun: this rank's worker loop runs in the engine's constructor, which
+            _llm(args)  # exits with rank 0 (the server is rank 0's)
+            return 0
         core = EngineProcess(dataclasses.asdict(EngineConfig.from_cli(args)))  # (returns once the model is loaded)
         engine = AsyncEngine(core, max_waiting=args.max_waiting, start=False)
         app = build_app(engine, core.tokenizer, args.served_model_name or args.model, api_key=args.api_key)

@@ -219,8 +219,12 @@ def test_server_answers_503_and_exits_when_a_worker_dies(checkpoints):
             except (urllib.error.URLError, ConnectionError):
                 assert time.time() < deadline and server.poll() is None, "server did not start"
                 time.sleep(0.5)
-        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
-        workers = [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        def spawned(parent: int) -> list[int]:
+            children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+            return [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        engine = spawned(server.pid)  # the engine's process, and the other rank its child
+        assert len(engine) == 1
+        workers = spawned(engine[0])
         assert len(workers) == 1
 
         def complete(max_tokens: int):

@@ -102,6 +102,12 @@ def _exit_status(code: int | None) -> str:
     return f"code {code}"
 
 
+def is_worker_rank() -> bool:
+    """Whether torchrun started this process as a rank other than 0 (one that runs the worker loop only)."""
+    env = _torchrun_env()
+    return env is not None and env["RANK"] != 0
+
+
 def start_workers(cfg: EngineConfig, config: ModelConfig) -> tuple[EngineConfig, Workers]:
     """Make this process rank 0 of cfg.tensor_parallel_size ranks of `config`'s model, starting the others (or
     joining torchrun's). Returns rank 0's engine settings (its device and threads) and the workers' handle. Under
