@@ -206,9 +206,9 @@ def _engine_process_main(conn, settings: dict) -> None:
         llm = LLM(**settings)
     except (ValueError, RuntimeError, OSError) as e:
         base = next(t for t in (ValueError, OSError, RuntimeError) if isinstance(e, t))
-        conn.send(("error", base(str(e))))  # (as its base type: any subclass unpickles on the other side)
+        conn.send(("error", base(str(e))))  # (as its base type, which always unpickles; a subclass may not)
         return
-    if llm.engine.cfg.device == "cuda":  # (no kernel is compiled on first use on a CPU)
+    if llm.engine.cfg.device.startswith("cuda"):  # (no kernel is compiled on first use on a CPU)
         llm.engine.warm_up()
     loop = EngineLoop(llm.engine)
     conn.send(("ready", EngineInfo(llm.engine.limits, llm.tokenizer, loop.initial_stats)))
