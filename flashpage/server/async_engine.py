@@ -95,8 +95,7 @@ class AsyncEngine:
         if wait:
             if self._thread.ident is not None:
                 self._thread.join(grace + 10)
-            if isinstance(self.core, EngineProcess):
-                self.core.join(10)
+            self.core.join(10)
 
     # ----- run()'s thread ------------------------------------------------------------------------
     def run(self) -> None:

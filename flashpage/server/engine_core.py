@@ -86,6 +86,9 @@ class EngineLoop:
             if time.perf_counter() - self._stats_time > 0.1 or not eng.has_unfinished_requests():
                 self._report(emit)
 
+    def join(self, timeout: float | None = None) -> None:
+        """(The loop runs on its caller's thread: once run() has returned there is nothing left to wait for.)"""
+
     def _drain_inbox(self, emit) -> None:
         drained = False
         while True:
