@@ -140,3 +140,7 @@ def test_warm_up_leaves_the_engine_idle_and_serving():
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert len(outs[-1].outputs[0].token_ids) == 2
+    for tiny in ({"max_model_len": 2}, {"max_model_len": 64, "num_gpu_blocks": 2}):  # (what fits, or nothing)
+        small = LLMEngine(EngineConfig.from_settings(**{**SETTINGS, **tiny}))
+        small.warm_up()
+        assert not small.requests and small.stats()["kv_slots_allocated"] == 0

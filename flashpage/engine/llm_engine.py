@@ -188,19 +188,23 @@ class LLMEngine:
         server's first prefill otherwise waits seconds for Triton: 8 s on an H100 for llama-3-8b). Triton compiles
         a kernel again for integer arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of
         16 tokens, then 3 of 23 tokens in all beside those 16 decoding, then one whose first block is cached
-        (prefill after a prefix). Greedy and sampled draws, with log-probs. Leaves their prompts in the prefix
-        cache, nothing else."""
-        vocab, room = self.config.vocab_size, self.max_model_len - 4
+        (prefill after a prefix). Greedy and sampled draws, with log-probs. A request the engine could never serve
+        (a tiny context or cache) is left out. Leaves their prompts in the prefix cache, nothing else."""
+        vocab, limit = self.config.vocab_size, self.max_model_len
 
         def prompt(i: int, n: int) -> list[int]:
-            return [(101 + 7 * j + 13 * i) % vocab for j in range(min(n, room))]
+            return [(101 + 7 * j + 13 * i) % vocab for j in range(min(n, limit - 1))]
         waves = [[prompt(i, 16) for i in range(16)], [prompt(16, 17), prompt(17, 5), prompt(18, 1)], [prompt(0, 33)]]
         for w, prompts in enumerate(waves):
             for i, ids in enumerate(prompts):
                 sampled = i % 2 == 1
-                params = SamplingParams(max_tokens=3, ignore_eos=True, seed=i, temperature=1.0 if sampled else 0.0,
-                                        top_p=0.9 if sampled else 1.0, logprobs=1 if sampled else None)
-                self.add_request(f"warm-up-{w}-{i}", ids, params)
+                params = SamplingParams(max_tokens=min(3, limit - len(ids)), ignore_eos=True, seed=i,
+                                        temperature=1.0 if sampled else 0.0, top_p=0.9 if sampled else 1.0,
+                                        logprobs=1 if sampled else None)
+                try:
+                    self.add_request(f"warm-up-{w}-{i}", ids, params)
+                except ValueError:
+                    continue
             self.step()
         while self.has_unfinished_requests():
             self.step()
