@@ -204,6 +204,43 @@ def test_two_nodes_under_torchrun(checkpoints, tmp_path):
     assert outs[1][0].strip() == ""  # the worker rank prints nothing
 
 
+def test_server_under_torchrun_serves_from_rank_0_and_both_ranks_exit_0(checkpoints):
+    """`torchrun --nnodes 2` of `flashpage serve`: rank 0's engine process joins the group, rank 1 runs its worker
+    loop; the answer is one rank's alone, and SIGTERM to rank 0 ends both."""
+    ref = LLM(checkpoints["chat"], device="cpu").generate("Hello there", SamplingParams(max_tokens=6, temperature=0),
+                                                          use_tqdm=False)[0].outputs[0].text
+    master, http = _free_port(), _free_port()
+    cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",  # noqa: E731
+                        "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master), "-m",
+                        "flashpage", "serve", "--model", checkpoints["chat"], "--device", "cpu", "--port", str(http),
+                        "--tensor-parallel-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd(node), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for node in (0, 1)]
+    url = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.time() < deadline and all(p.poll() is None for p in nodes), "server did not start"
+                time.sleep(0.5)
+        body = json.dumps({"prompt": "Hello there", "max_tokens": 6, "temperature": 0}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.load(r)["choices"][0]["text"] == ref
+        # torchrun runs flashpage serve as its child: rank 0's server gets the signal
+        servers = subprocess.run(["pgrep", "-P", str(nodes[0].pid)], capture_output=True, text=True).stdout.split()
+        os.kill(int(servers[0]), signal.SIGTERM)
+        assert [p.wait(timeout=60) for p in nodes] == [0, 0]
+    finally:
+        for p in nodes:
+            p.kill()
+            p.wait()
+
+
 def test_server_answers_503_and_exits_when_a_worker_dies(checkpoints):
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "flashpage", "serve", "--model", checkpoints["chat"], "--device",
