@@ -180,6 +180,17 @@ def test_a_killed_worker_ends_the_run_with_a_clear_error(checkpoints):
         engine.step()
 
 
+def _wait_healthy(url: str, processes: list, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except (urllib.error.URLError, ConnectionError):
+            assert time.time() < deadline and all(p.poll() is None for p in processes), "server did not start"
+            time.sleep(0.5)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -219,14 +230,7 @@ def test_server_under_torchrun_serves_from_rank_0_and_both_ranks_exit_0(checkpoi
              for node in (0, 1)]
     url = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.time() < deadline and all(p.poll() is None for p in nodes), "server did not start"
-                time.sleep(0.5)
+        _wait_healthy(url, nodes, 180)
         body = json.dumps({"prompt": "Hello there", "max_tokens": 6, "temperature": 0}).encode()
         req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
@@ -248,14 +252,8 @@ def test_server_answers_503_and_exits_when_a_worker_dies(checkpoints):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.time() < deadline and server.poll() is None, "server did not start"
-                time.sleep(0.5)
+        _wait_healthy(url, [server], 120)
+
         def spawned(parent: int) -> list[int]:
             children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
             return [int(p) for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]

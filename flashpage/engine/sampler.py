@@ -15,8 +15,8 @@ import torch
 
 from flashpage.engine.inputs import upload
 from flashpage.engine.spec.multi_branch import multi_branch_draw
-from flashpage.kernels.reference import filter_probs
 from flashpage.engine.step import SampleRow
+from flashpage.kernels.reference import filtered_probs
 
 
 @dataclass
@@ -76,8 +76,7 @@ def _multi_branch(logits: torch.Tensor, rows: list[SampleRow], children: list[tu
     """The draws of rows verifying a tree node's children (engine/spec/multi_branch.py): the target's distribution
     as the sampler's (temperature, then top-k, top-p and min-p), its random numbers from each row's seed."""
     dev, m = logits.device, max(len(c) for c in children)
-    temperature, top_k, top_p, min_p, _ = _sampling_tensors(rows, logits.shape[-1], dev)
-    p = filter_probs(torch.softmax(logits.float() / temperature[:, None], dim=-1), top_k, top_p, min_p)
+    p = filtered_probs(logits, *_sampling_tensors(rows, logits.shape[-1], dev)[:4])
     p = p / p.sum(-1, keepdim=True)
     uniforms = upload([[random.Random(r.seed ^ 0x5EED ^ j).random() for j in range(m)] for r in rows],
                       torch.float32, dev)
@@ -131,4 +130,3 @@ def _penalise(ops, logits: torch.Tensor, rows: list[SampleRow]) -> None:
     ops.apply_penalties(logits, upload(entry_rows, torch.int32, dev), upload(tokens, torch.int64, dev),
                         upload(counts, torch.int32, dev), per_row(lambda p: p.repetition_penalty),
                         per_row(lambda p: p.presence_penalty), per_row(lambda p: p.frequency_penalty))
-

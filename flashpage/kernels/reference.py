@@ -173,6 +173,13 @@ def filter_probs(probs, top_k, top_p, min_p):
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
+def filtered_probs(logits, temperature, top_k, top_p, min_p):
+    """The distribution a row samples from: softmax at its temperature (1 where greedy), then top-k, top-p and
+    min-p. Not renormalised."""
+    t = torch.where(temperature == 0, 1.0, temperature)
+    return filter_probs(torch.softmax(logits.float() / t[:, None], dim=-1), top_k, top_p, min_p)
+
+
 def _race(weights, seeds):
     """Exponential race (Gumbel-max): argmax(w / E), E ~ Exp(1), one generator per row seeded by its seed."""
     noise = torch.stack([torch.empty_like(weights[0]).exponential_(generator=torch.Generator(weights.device).manual_seed(s))
@@ -184,8 +191,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered=True, dr
     is_greedy = temperature == 0
     tokens = logits.argmax(dim=-1)
     if not bool(is_greedy.all()):
-        probs = torch.softmax(logits.float() / torch.where(is_greedy, 1.0, temperature)[:, None], dim=-1)
-        probs = filter_probs(probs, top_k, top_p, min_p)
+        probs = filtered_probs(logits, temperature, top_k, top_p, min_p)
         tokens = torch.where(is_greedy, tokens, _race(probs, seeds))
         if draft_tokens is not None:  # the rejection sampler (Leviathan et al.): keep d with probability min(1, p/q)
             p = probs / probs.sum(-1, keepdim=True)
