@@ -101,7 +101,8 @@ def engine_from(llm, **cfg):
     from flashpage.loader import LoadedModel
 
     loaded = LoadedModel(llm.config, llm.engine.runner.model, llm.tokenizer)
-    return LLMEngine(EngineConfig(**{"device": "cpu", **cfg}), loaded)
+    dtype = str(llm.engine.runner.dtype).removeprefix("torch.")  # (a draft model loads in the engine's dtype)
+    return LLMEngine(EngineConfig(**{"device": "cpu", "dtype": dtype, **cfg}), loaded)
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:

@@ -70,8 +70,8 @@ PROMPTS = [[5, 17, 99, 3, 250, 7, 7, 1, 42], list(range(20, 57)), [300]]
 
 def test_a_checkpoint_quantizes_as_it_loads(tiny_checkpoints):
     path, _ = tiny_checkpoints["llama3-rope-scaling"]
-    full = LLM(str(path), device="cpu")
-    fp8 = LLM(str(path), device="cpu", quantization="fp8")
+    full = LLM(str(path), dtype="float32", device="cpu")
+    fp8 = LLM(str(path), dtype="float32", device="cpu", quantization="fp8")
     dense, quantized = full.engine.runner.model.layers[1].mlp, fp8.engine.runner.model.layers[1].mlp
     q, scale = quantize_rows(dense.gate_up_proj.weight)  # each row by its own largest magnitude
     assert quantized.gate_up_proj.weight.dtype == FP8 and torch.equal(quantized.gate_up_proj.weight.view(torch.uint8),

@@ -55,6 +55,28 @@ def test_int4_linear_within_twice_the_error_of_its_bfloat16_math(m, qtype):
     assert rel_err(got, exact) <= 2 * rel_err(by_hand, exact) + 1e-4
 
 
+@pytest.mark.parametrize("m", [1, 8, 21])
+def test_cpu_kernel_set_multiplies_4_bit_weights_as_int4_linear(m):
+    """From INT4_ROWS rows on the CPU set multiplies a dequantized copy of the codes (in x's dtype): the same
+    weights as the 4-bit kernel's, so within bfloat16's rounding of it; the copy is exactly the codes' values."""
+    from flashpage.kernels import cpu
+
+    gen = np.random.default_rng()
+    n, k = 48, 96
+    raw, _ = blocks_of((n, k), Q["Q4_1"], gen)
+    codes, sz = unpack_blocks(raw, "Q4_1", (n, k))
+    packed = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 1)
+    sz_bf16 = torch.from_numpy(sz).transpose(0, 1).to(torch.bfloat16).contiguous()
+    s, z = (sz_bf16[..., i].T.float().repeat_interleave(32, dim=1) for i in (0, 1))
+    by_hand = ((torch.from_numpy(codes).float() - 8) * s + z).bfloat16()
+    assert torch.equal(cpu.dequantize_int4(packed, sz_bf16), by_hand)
+    for dtype in (torch.float32, torch.bfloat16):
+        x, residual = torch.randn(m, k, dtype=dtype), torch.randn(m, n, dtype=dtype)
+        got = cpu.linear(x, packed, residual=residual, weight_scale=sz_bf16)
+        assert got.dtype == dtype
+        assert rel_err(got, int4_linear(x, packed, sz_bf16) + residual) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def tiny_q4_gguf(tmp_path_factory):
     path = tmp_path_factory.mktemp("q4") / "tiny-q4.gguf"
@@ -104,6 +126,25 @@ def test_kept_blocks_on_smollm2_cost_little(smollm_llm, smollm_gguf):
     kept = LLM(str(smollm_gguf), dtype="float32", device="cpu", quantization="gguf")
     dense_ppl, kept_ppl = perplexity(smollm_llm, ids, 1024), perplexity(kept, ids, 1024)
     assert kept_ppl / dense_ppl - 1 < 0.01, (dense_ppl, kept_ppl)
+
+
+def test_auto_keeps_4_bit_blocks_only_with_dtype_auto_on_a_bfloat16_cpu(tiny_q4_gguf, tmp_path, monkeypatch):
+    """dtype "auto" on a CPU with AMX: bfloat16 and the file's Q4 blocks kept; an explicit dtype, a CPU without
+    AMX, or projections stored otherwise (Q8_0): dequantized, no error."""
+    import flashpage.loader as loader
+
+    def kept(path, **kw):
+        model = load_model(str(path), device="cpu", **kw).model
+        return model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8, next(model.parameters()).dtype
+
+    monkeypatch.setattr(loader, "cpu_has_bf16_matmul", lambda: True)
+    assert kept(tiny_q4_gguf) == (True, torch.bfloat16)
+    assert kept(tiny_q4_gguf, dtype="float32") == (False, torch.float32)
+    q8 = tmp_path / "q8.gguf"
+    write_gguf(q8, tiny_hf_model("llama", seed=1), [Q.Q8_0], arch="llama")
+    assert kept(q8) == (False, torch.bfloat16)
+    monkeypatch.setattr(loader, "cpu_has_bf16_matmul", lambda: False)
+    assert kept(tiny_q4_gguf) == (False, torch.float32)
 
 
 def test_bad_gguf_quantization_settings_fail_before_loading(tiny_checkpoints, tmp_path):

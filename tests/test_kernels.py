@@ -267,6 +267,24 @@ def test_cpu_linear_with_its_norm_equals_reference():
         assert rel_err(cpu.linear(x, weight, **kw), ref.linear(x, weight, **kw)) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_cpu_packed_products_equal_reference_and_follow_weight_writes(dtype, rows):
+    """The CPU set multiplies a packed copy of the weight (oneDNN / MKL layouts): within the dtype's rounding of
+    the reference, and a weight written in place is packed again (a stale copy would give the old product)."""
+    from flashpage.kernels import cpu
+
+    weight, bias = torch.randn(72, 48, dtype=dtype), torch.randn(72, dtype=dtype)
+    x, residual = torch.randn(rows, 48, dtype=dtype), torch.randn(rows, 72, dtype=dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for step in range(2):
+        exact = x.double() @ weight.double().T
+        for kw, want in ((dict(), exact), (dict(bias=bias), exact + bias.double()),
+                         (dict(residual=residual), exact + residual.double())):
+            assert rel_err(cpu.linear(x, weight, **kw), want) < tol, (step, kw)
+        weight.mul_(-0.5)
+
+
 def test_cpu_decode_attention_does_not_depend_on_the_rest_of_the_batch():
     """A sequence's decode output is bit-identical alone and batched with longer and shorter ones (else a seeded
     request could sample differently depending on what else runs)."""

@@ -97,7 +97,7 @@ def test_a_draft_with_another_vocabulary_is_refused_before_anything_runs(tiny_ch
     AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "vocab_size": 500})).save_pretrained(tmp_path)
     target = str(tiny_checkpoints["llama3-rope-scaling"][0])
     with pytest.raises(ParameterError, match="another vocabulary than the target") as e:
-        LLMEngine(EngineConfig(model=target, device="cpu", speculative_config={"model": str(tmp_path),
+        LLMEngine(EngineConfig(model=target, dtype="float32", device="cpu", speculative_config={"model": str(tmp_path),
                                                                                "num_speculative_tokens": 2}))
     assert e.value.param == "speculative_config.model"
 
@@ -259,8 +259,8 @@ def test_draft_model_greedy_identity_with_rejections_and_draft_rollback(tiny_pai
     rng = random.Random(int(torch.randint(1 << 30, ())))
     prompts = [[rng.randrange(384) for _ in range(n)] for n in (1, 9, 40, 70, 17, 3)]
     params = [SamplingParams(temperature=0, seed=i, max_tokens=25, ignore_eos=True) for i in range(len(prompts))]
-    base = run(LLMEngine(EngineConfig(model=target, device="cpu")), prompts, params)
-    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_batched_tokens=32, num_gpu_blocks=9,
+    base = run(LLMEngine(EngineConfig(model=target, dtype="float32", device="cpu")), prompts, params)
+    engine = LLMEngine(EngineConfig(model=target, dtype="float32", device="cpu", max_num_batched_tokens=32, num_gpu_blocks=9,
                                     speculative_config={"model": draft, "num_speculative_tokens": 3,
                                                         "tree_width": tree_width}))
     trees = count_trees(engine)
@@ -279,7 +279,7 @@ def test_draft_model_sampling_is_distributed_as_the_target(tiny_pair, tree_width
     token, against the target's own filtered distribution: the draft differs from the target on purpose. Trees
     (tree_width 3): each node's children drawn without replacement, verified by multi-branch speculative sampling."""
     target, draft = tiny_pair
-    engine = LLMEngine(EngineConfig(model=target, device="cpu", max_num_seqs=512, speculative_config={
+    engine = LLMEngine(EngineConfig(model=target, dtype="float32", device="cpu", max_num_seqs=512, speculative_config={
         "model": draft, "num_speculative_tokens": 2, "disable_by_batch_size": None,  # (speculate at any batch)
         "tree_width": tree_width}))
     from flashpage.engine import sampler
@@ -324,7 +324,7 @@ def test_stop_strings_never_leak_when_several_tokens_land_in_one_step(smollm_llm
 
 def test_no_block_leaks_after_aborts_mid_speculation(tiny_pair):
     target, draft = tiny_pair
-    engine = LLMEngine(EngineConfig(model=target, device="cpu", num_gpu_blocks=40,
+    engine = LLMEngine(EngineConfig(model=target, dtype="float32", device="cpu", num_gpu_blocks=40,
                                     speculative_config={"model": draft, "num_speculative_tokens": 4}))
     for i in range(6):
         engine.add_request(f"r{i}", list(range(i, i + 30)), SamplingParams(temperature=0.7, seed=i, max_tokens=60,

@@ -53,7 +53,7 @@ def test_ranks_give_the_tokens_and_logits_of_one(checkpoints, name, size):
     params = SamplingParams(max_tokens=10, temperature=0, prompt_logprobs=3, logprobs=3)
     results = {}
     for tp in (1, size):
-        llm = LLM(checkpoints[name], device="cpu", tensor_parallel_size=tp, seed=0)
+        llm = LLM(checkpoints[name], dtype="float32", device="cpu", tensor_parallel_size=tp, seed=0)
         try:
             tokens, outs = run(llm, PROMPTS, params)
             results[tp] = tokens, outs, llm.engine.runner.last_logits.clone()
@@ -94,7 +94,7 @@ def test_engine_features_under_two_ranks(checkpoints):
     prompts = [shared + [i, i + 1, i + 2] for i in range(6)] + PROMPTS
     sampled = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=12)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    settings = dict(device="cpu", seed=0, max_num_batched_tokens=32, num_gpu_blocks=10, block_size=16,
+    settings = dict(dtype="float32", device="cpu", seed=0, max_num_batched_tokens=32, num_gpu_blocks=10, block_size=16,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     results = {}
     for tp in (1, 2):

@@ -3,7 +3,9 @@ the same run, at batch 1 and 32 (the README's CPU table).
 
 Each batch is --prompt-len random prompt tokens per sequence and exactly --max-tokens greedy tokens out (EOS
 ignored), after one warm-up each. transformers and flashpage's float32 run multiply the GGUF's weights dequantized
-to float32; flashpage's `gguf` run keeps them in their 4-bit blocks (`quantization="gguf"`). Prints output tok/s
+to float32; flashpage's `auto` run is what `LLM(model)` picks on this machine (where the CPU has AMX: bfloat16,
+the GGUF's 4-bit blocks kept, `quantization="gguf"`; elsewhere float32), its `bfloat16` run the weights
+dequantized to bfloat16. Prints output tok/s
 and the ratios, and the ceiling of one prompt: a token reads every weight once, so no engine passes the model's
 bytes at this machine's copy rate (measured in the same run); `--out` writes JSON.
 """
@@ -31,22 +33,23 @@ def main(argv: list[str] | None = None) -> int:
     from flashpage.loader.default_model import DEFAULT_MODEL, resolve_known_model
 
     gguf = resolve_known_model(DEFAULT_MODEL)
-    engines = {"float32": LLM(str(gguf), dtype="float32", device="cpu"),
-               "gguf": LLM(str(gguf), dtype="float32", device="cpu", quantization="gguf")}
+    engines = {"auto": LLM(str(gguf), device="cpu"), "bfloat16": LLM(str(gguf), dtype="bfloat16", device="cpu"),
+               "float32": LLM(str(gguf), dtype="float32", device="cpu")}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                            dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     results = {"date": time.strftime("%Y-%m-%d"), "cpu": platform.processor() or platform.machine(),
+               "auto": describe(engines["auto"]),
                "threads": torch.get_num_threads(), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                "batches": []}
     results["copy_gb_s"] = copy_rate = copy_gb_per_s()
     results["weight_bytes"] = {name: sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
                                for name, llm in engines.items()}
-    print(f"copy rate {copy_rate:.1f} GB/s; one prompt's ceiling (weights read once a token): " + ", ".join(
+    print(f"auto picked {results['auto']}; copy rate {copy_rate:.1f} GB/s; one prompt's ceiling (weights read once a token): " + ", ".join(
         f"{name} {copy_rate * 1e9 / b:.1f} tok/s ({b / 1e6:.0f} MB)" for name, b in results["weight_bytes"].items()))
     for batch in map(int, args.batch_sizes.split(",")):
-        prompts = torch.randint(100, engines["gguf"].config.vocab_size, (batch, args.prompt_len), generator=gen)
+        prompts = torch.randint(100, engines["auto"].config.vocab_size, (batch, args.prompt_len), generator=gen)
         row = {"batch": batch}
         for name, llm in engines.items():
             llm.generate([{"prompt_token_ids": r} for r in prompts[:2].tolist()], params, use_tqdm=False)
@@ -66,6 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 0
+
+
+def describe(llm) -> str:
+    runner = llm.engine.runner
+    kept = any(p.dtype == torch.uint8 for p in runner.model.parameters())
+    return str(runner.dtype).removeprefix("torch.") + (", the GGUF's 4-bit weights kept" if kept else "")
 
 
 def copy_gb_per_s(size: int = 1 << 29) -> float:

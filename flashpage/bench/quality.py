@@ -2,7 +2,8 @@
 tables).
 
 SmolLM2 from the default GGUF in float32 against each mode (FP8 KV cache, INT8 KV cache, FP8 weights, the GGUF's
-4-bit weights kept as stored with bfloat16 activations at their products): perplexity
+4-bit weights kept as stored with bfloat16 activations at their products, the whole model in bfloat16, and what
+dtype "auto" picks on this CPU): perplexity
 over --tokens tokens of CPython's own documentation (`pydoc_data.topics`, in --window-token windows, every token
 scored through the cache as decode reads it), and how many of the first 32 greedy tokens of 8 prompts (64-token
 pieces of the same text) equal float32's.
@@ -25,7 +26,8 @@ import time
 from pathlib import Path
 
 MODES = {"fp8 KV cache": {"kv_cache_dtype": "fp8"}, "int8 KV cache": {"kv_cache_dtype": "int8"},
-         "fp8 weights": {"quantization": "fp8"}, "gguf 4-bit kept": {"quantization": "gguf"}}
+         "fp8 weights": {"quantization": "fp8"}, "gguf 4-bit kept": {"quantization": "gguf"},
+         "bfloat16": {"dtype": "bfloat16"}, "auto": {"dtype": "auto"}}
 
 
 def perplexity(llm, ids: list[int], window: int) -> float:
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'mode':16s} {'perplexity':>10s} {'vs float32':>10s}  first 32 greedy tokens equal (8 prompts)")
     print(f"{'float32':16s} {dense_ppl:10.3f} {'':>10s}")
     for name, setting in MODES.items():
-        llm = LLM(path, dtype="float32", device="cpu", **setting)
+        llm = LLM(path, device="cpu", **{"dtype": "float32", **setting})
         ppl, got = perplexity(llm, ids, args.window), continuations(llm)
         equal = [next((i for i, (a, b) in enumerate(zip(g, d)) if a != b), 32) for g, d in zip(got, dense)]
         rows.append({"mode": name, "setting": setting, "perplexity": ppl, "ratio": ppl / dense_ppl,

@@ -28,7 +28,7 @@ class EngineConfig:
     revision: str | None = _setting(None, "Hub model: the branch, tag or commit (default: main)")
     gguf_file: str | None = _setting(None, "Hub model: the .gguf file of a GGUF repo to load")
     load_format: str = _setting("auto", "dummy: random weights of the model's shape", ("auto", "dummy"))
-    dtype: str = _setting("auto", "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    dtype: str = _setting("auto", "auto (bfloat16 on CUDA and on CPUs with AMX, else float32), float32, bfloat16, float16")
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
     seed: int = _setting(0, "seeds the dummy weights and requests that bring no seed")
     max_model_len: int | None = _setting(None, "context (prompt plus output) in tokens; default: the model's")
@@ -50,8 +50,9 @@ class EngineConfig:
                                    "whatever else is batched (CUDA)")
     quantization: str | None = _setting(None, "fp8: FP8 (e4m3) weights, quantized as they load, and per-token FP8 "
                                         "activations; gguf (CPU): a GGUF file's Q4_0/Q4_1 weights kept as stored, "
-                                        "bfloat16 activations at their products (default: as the checkpoint is "
-                                        "stored, dequantized)", ("fp8", "gguf"))
+                                        "bfloat16 activations at their products (default: gguf for such a file "
+                                        "with dtype auto on a CPU with AMX; otherwise as the checkpoint is stored, "
+                                        "dequantized)", ("fp8", "gguf"))
     kv_cache_dtype: str = _setting("auto", "auto: the model's dtype; fp8: e4m3, one scale per layer and KV head "
                                    "(1, or the checkpoint's); int8: one scale per token and KV head; either holds "
                                    "about twice the tokens of a 16-bit cache in the same memory", ("auto", "fp8", "int8"))

@@ -131,8 +131,15 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
                            weight_scale)
 
 
+def dense_product(x, weight, bias, residual):
+    """x @ weight.T + bias + residual, one rounding for product and sum."""
+    if residual is not None:
+        return torch.addmm(residual if bias is None else residual + bias, x, weight.t())
+    return F.linear(x, weight, bias)
+
+
 def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
-                    weight_scale=None, quantize_rows=quantize_rows):
+                    weight_scale=None, quantize_rows=quantize_rows, product=dense_product):
     """`linear` from separate kernels (these references, or Triton's above the fused kernel's row limit)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
@@ -141,10 +148,8 @@ def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, s
             scaled_linear(x, weight, weight_scale, quantize_rows)
         y = y if bias is None else y + bias
         y = y if residual is None else y + residual
-    elif residual is not None:  # one rounding for product and sum
-        y = torch.addmm(residual if bias is None else residual + bias, x, weight.t())
     else:
-        y = F.linear(x, weight, bias)
+        y = product(x, weight, bias, residual)
     if silu_mul:
         y = silu_and_mul(y)
     return y if out_dtype is None else y.to(out_dtype)

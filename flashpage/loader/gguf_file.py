@@ -79,6 +79,11 @@ class GGUFModel:
             architecture=self.arch,
         )
 
+    def projections_in_kept_types(self) -> bool:
+        """Whether every projection of the decoder layers is stored in a type `keep_blocks` keeps."""
+        return all(t.tensor_type.name in KEPT_TYPES for t in self.reader.tensors
+                   if _hf_name(t.name).endswith("_proj.weight"))
+
     def weights(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (transformers name, float32 tensor) one at a time, so peak memory is one tensor. `keep_blocks`:
         the decoder layers' projections as their 4-bit codes (uint8) and, named `weight_scale`, their blocks'
