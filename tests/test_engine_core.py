@@ -18,7 +18,7 @@ from flashpage.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 from flashpage.server.async_engine import AsyncEngine
 from flashpage.server.engine_core import DeltaDecoder, DeltaEncoder, EngineProcess
 
-SETTINGS = {"model": "smollm2-135m", "load_format": "dummy", "device": "cpu", "max_model_len": 128}
+SETTINGS = {"model": "smollm2-135m", "load_format": "dummy", "dtype": "float32", "device": "cpu", "max_model_len": 128}
 
 
 def test_deltas_rebuild_every_output_exactly():

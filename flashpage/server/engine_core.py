@@ -211,8 +211,7 @@ def _engine_process_main(conn, settings: dict) -> None:
         base = next(t for t in (ValueError, OSError, RuntimeError) if isinstance(e, t))
         conn.send(("error", base(str(e))))  # (as its base type, which always unpickles; a subclass may not)
         return
-    if llm.engine.cfg.device.startswith("cuda"):  # (no kernel is compiled on first use on a CPU)
-        llm.engine.warm_up()
+    llm.engine.warm_up()  # (first use compiles Triton's kernels on a GPU, packs the weights on a CPU: 1.7 s)
     loop = EngineLoop(llm.engine)
     conn.send(("ready", EngineInfo(llm.engine.limits, llm.tokenizer, loop.initial_stats)))
 
