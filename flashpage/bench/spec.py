@@ -511,7 +511,7 @@ def trees(args) -> dict:
 
 
 def heads(args) -> dict:
-    """Medusa heads and an EAGLE draft on random `llama-3-8b` weights (bf16, batch 1): random heads accept
+    """Medusa heads and EAGLE / EAGLE-3 drafts on random `llama-3-8b` weights (bf16, batch 1): random heads accept
     nothing meaningful, so this shows the mechanics: the time of a speculating step (proposing, then verifying
     the tree as a CUDA graph) against a plain decode step, and the speedup it would give were every proposal
     right, (depth + 1) x plain / step."""
@@ -528,7 +528,7 @@ def heads(args) -> dict:
     dtype = llm.engine.runner.dtype
     gen = torch.Generator(device=dev).manual_seed(0)
     root = Path(args.heads or "/tmp/flashpage-random-heads")
-    medusa_dir, eagle_dir = root / "medusa", root / "eagle"
+    medusa_dir, eagle_dir, eagle3_dir = root / "medusa", root / "eagle", root / "eagle3"
     with torch.no_grad():
         if not (medusa_dir / "config.json").exists():
             m = MedusaHeads(c.hidden_size, c.vocab_size, args.k, 1, False).to(dev, dtype)
@@ -536,25 +536,38 @@ def heads(args) -> dict:
                 p_.normal_(0, 0.02, generator=gen)
             save_medusa(m, medusa_dir, dtype)
             del m
-        if not (eagle_dir / "config.json").exists():
-            h, inter = c.hidden_size, c.intermediate_size
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (q, h),
-                      "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
-                      "layers.0.self_attn.o_proj.weight": (h, q), "layers.0.mlp.gate_proj.weight": (inter, h),
-                      "layers.0.mlp.up_proj.weight": (inter, h), "layers.0.mlp.down_proj.weight": (h, inter)}
+        h, inter = c.hidden_size, c.intermediate_size
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+        config = {"architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": inter,
+                  "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                  "head_dim": c.head_dim, "vocab_size": c.vocab_size, "num_hidden_layers": 1, "rope_theta": c.rope_theta,
+                  "rope_scaling": c.rope_scaling, "rms_norm_eps": c.rms_norm_eps,
+                  "max_position_embeddings": c.max_position_embeddings}
+
+        def write_random(path: Path, shapes: dict, ones: tuple[str, ...], extra: dict, config: dict) -> None:
+            if (path / "config.json").exists():
+                return
             tensors = {n: torch.empty(s_, device=dev, dtype=dtype).normal_(0, 0.02, generator=gen).cpu()
                        for n, s_ in shapes.items()}
-            tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
-            eagle_dir.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, eagle_dir / "model.safetensors")
-            (eagle_dir / "config.json").write_text(json.dumps({
-                "architectures": ["LlamaForCausalLM"], "hidden_size": h, "intermediate_size": inter,
-                "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-                "head_dim": c.head_dim, "vocab_size": c.vocab_size, "num_hidden_layers": 1,
-                "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling, "rms_norm_eps": c.rms_norm_eps,
-                "max_position_embeddings": c.max_position_embeddings}))
-            del tensors
+            tensors.update({n: torch.ones(h, dtype=dtype) for n in ones}, **extra)
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, path / "model.safetensors")
+            (path / "config.json").write_text(json.dumps(config))
+
+        write_random(eagle_dir, {"fc.weight": (h, 2 * h), **{f"layers.0.{n}": s_ for n, s_ in layer.items()}},
+                     ("layers.0.post_attention_layernorm.weight",), {}, config)
+        # EAGLE-3: three target layers fused, a 2 x hidden attention input, its own head over 32k of the tokens
+        draft_vocab = min(32000, c.vocab_size)
+        write_random(eagle3_dir, {"fc.weight": (h, 3 * h), "lm_head.weight": (draft_vocab, h),
+                                  **{f"midlayer.{n}": (s_[0], 2 * h) if n.split(".")[1] in ("q_proj", "k_proj", "v_proj")
+                                     else s_ for n, s_ in layer.items()}},
+                     ("midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+                      "midlayer.post_attention_layernorm.weight", "norm.weight"),
+                     {"d2t": torch.zeros(draft_vocab, dtype=torch.int64)},
+                     {**config, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab})
     prompts = torch.Generator().manual_seed(1)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
@@ -587,6 +600,10 @@ def heads(args) -> dict:
                                                   "num_speculative_tokens": args.k, "tree_width": 1}),
                        ("eagle, depth 4, 16-node tree", {"method": "eagle", "model": str(eagle_dir),
                                                          "num_speculative_tokens": args.k}),
+                       ("eagle3, depth 4, chain", {"method": "eagle3", "model": str(eagle3_dir),
+                                                   "num_speculative_tokens": args.k, "tree_width": 1}),
+                       ("eagle3, depth 4, 16-node tree", {"method": "eagle3", "model": str(eagle3_dir),
+                                                          "num_speculative_tokens": args.k}),
                        (f"draft {args.draft}, depth 4, 16-node tree", {"model": args.draft, "tree_width": 4,
                                                                       "num_speculative_tokens": args.k})]:
         if spec.get("model") is None:

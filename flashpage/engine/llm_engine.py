@@ -63,7 +63,7 @@ class LLMEngine:
         self.spec = cfg.speculative
         self.typical = self.spec is not None and self.spec.acceptance_method == "typical_acceptance_sampler"
         method = self.spec.method if self.spec else None
-        if method in ("medusa", "eagle") and cfg.tensor_parallel_size > 1:
+        if method in ("medusa", "eagle", "eagle3") and cfg.tensor_parallel_size > 1:
             raise ParameterError("speculative_config.method", f"speculative_config: {method} reads the target's "
                                  f"hidden states whole, on one rank: not with tensor_parallel_size > 1 yet")
         self.workers = None
@@ -76,7 +76,7 @@ class LLMEngine:
         draft = load_draft(self.spec, cfg) if method == "draft_model" else None
         tp = self.workers.tp if self.workers else None
         reserve = draft_bytes_per_block(draft, cfg.block_size) if draft else \
-            eagle_bytes_per_block(self.spec.model, cfg.block_size) if method == "eagle" else 0
+            eagle_bytes_per_block(self.spec.model, cfg.block_size) if method in ("eagle", "eagle3") else 0
         self.runner = ModelRunner(cfg, loaded, reserve, tp)
         self.cfg = cfg = self.runner.cfg  # device, kernels and max_model_len resolved
         self.config, self.tokenizer = self.runner.config, self.runner.tokenizer

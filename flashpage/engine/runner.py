@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.inputs import prepare_inputs, upload
 from flashpage.engine.sampler import sample_rows
+from flashpage.engine.spec import target_feature_layers
 from flashpage.engine.step import SampledToken, SampleSpec, StepPlan, StepResult
 from flashpage.kernels.fp8 import check_fp8_support
 from flashpage.kv import KV_CACHE_DTYPES, allocate_kv_caches, kv_bytes_per_block
@@ -158,11 +159,12 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
-        # A proposer that drafts from the target's own features (Medusa, EAGLE) sets this: each step's result then
-        # carries the last layer's residual stream at every token it computed (StepResult.hidden).
-        self.keep_hidden = False
-        # (batch size, tokens per sequence) -> (graph, hidden states, logits)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # A proposer that drafts from the target's own features (Medusa, EAGLE) reads the residual streams at the
+        # input of these layers (the layer count: the last layer's output) at every token a step computed
+        # (StepResult.hidden); graphs are captured with them.
+        self.feature_layers = target_feature_layers(cfg.speculative, self.config.num_hidden_layers)
+        # (batch size, tokens per sequence) -> (graph, its features or None, logits)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None, torch.Tensor]] = {}
         spec = cfg.speculative
         # a verify graph's tokens per sequence: its last token and the longest proposal; one that serves token trees
         # reads a query mask (kernels/tree.py) for every row
@@ -222,8 +224,8 @@ class ModelRunner:
                                                torch.Tensor | None, list[int]]:
         """What every rank runs of a step: block copies, inputs, the forward pass and the logits rows. Returns the
         logits, for sequences that asked for prompt log-probs {seq_id: (their prompt rows' logits, the targets,
-        k)}, with `keep_hidden` the last layer's residual stream at each token of the plan, in plan order (else
-        None), and the row of that of each logits row."""
+        k)}, with `feature_layers` the target's features at each token of the plan, in plan order (else None),
+        and the row of that of each logits row."""
         dev = self.device
         if plan.moves:  # a verified tree's kept tokens into their places (before any block copy reuses a block)
             src = upload([m[0] for m in plan.moves], torch.int64, dev)
@@ -248,7 +250,7 @@ class ModelRunner:
             ids[inputs.from_last_step[0::2]] = self.tp.broadcast(tokens)
         prompt, kept = {}, None
         if graph_key:
-            graph, hidden, logits = self.graphs[graph_key]
+            graph, features, logits = self.graphs[graph_key]
             st, size, tokens = self.static, graph_key[0], ids.shape[0]
             st["ids"][:tokens].copy_(ids)
             st["positions"][:tokens].copy_(meta.positions)
@@ -262,20 +264,19 @@ class ModelRunner:
             if rows == list(range(len(rows))):
                 logits = logits[:len(rows)]
                 # (every real token gives logits; a copy: the next replay overwrites the buffer)
-                kept = hidden[:len(rows)].clone() if self.keep_hidden else None
+                kept = features[:len(rows)].clone() if features is not None else None
             else:
                 index = upload(rows, torch.int64, dev)
                 logits = logits.index_select(0, index)
-                kept = hidden.index_select(0, index) if self.keep_hidden else None
+                kept = features.index_select(0, index) if features is not None else None
             rows = list(range(len(rows)))
         else:
-            hidden = self.model(ids, meta, self.kv_caches)
+            hidden, kept = self._model(ids, meta)
             # Rows picked by an uploaded index: a Python list as the index would be copied from pageable memory,
             # which makes the host wait for the whole forward pass and leaves the GPU idle meanwhile.
             rows = inputs.logits_index
             logits = self.model.compute_logits(
                 hidden.index_select(0, upload(rows, torch.int64, dev)) if len(rows) < len(ids) else hidden)
-            kept = hidden if self.keep_hidden else None
             start = 0
             for s in seqs:
                 if s.prompt_logprobs is not None:
@@ -284,6 +285,12 @@ class ModelRunner:
                                         s.prompt_targets, s.prompt_logprobs)
                 start += len(s.token_ids)
         return logits, prompt, kept, rows
+
+    def _model(self, ids: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last layer's residual stream, and the features at `feature_layers` (None without)."""
+        if not self.feature_layers:
+            return self.model(ids, meta, self.kv_caches), None
+        return self.model(ids, meta, self.kv_caches, self.feature_layers)
 
     def _prompt_logprobs(self, logits: torch.Tensor, targets: list[int], k: int):
         """Log-probabilities of the prompt tokens that rows of `logits` predict, and the top-k of each row."""
@@ -332,15 +339,15 @@ class ModelRunner:
                                          query_mask=st["query_mask"][:n] if self.verify_masked and q_ > 1 else None)
 
                 def run():
-                    hidden = self.model(st["ids"][:n], meta, self.kv_caches)
-                    return hidden, self.model.compute_logits(hidden)
+                    hidden, features = self._model(st["ids"][:n], meta)
+                    return features, self.model.compute_logits(hidden)
                 run()  # compiles the Triton kernels for this shape outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    hidden, logits = run()
+                    features, logits = run()
                 pool = graph.pool()
-                self.graphs[(size, q_)] = (graph, hidden, logits)
+                self.graphs[(size, q_)] = (graph, features, logits)
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured %d CUDA graphs (decode batches %d..%d, verify batches up to %d) in %.1f s", len(keys),
                  min(sizes), max(sizes), max(verify_sizes, default=0), time.perf_counter() - start)

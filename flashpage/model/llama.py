@@ -148,8 +148,9 @@ class Attention(nn.Module):
             raise ValueError("holds a scale that is not a positive number")
         self.kv_cache_scales[kind] = t[self.kv_start:self.kv_start + self.num_kv_heads].clone()
 
-    def forward(self, ops, h, norm: RMSNorm | None, cos, sin, meta, kv_cache):
-        """h + attention(norm(h)) (no norm: h + attention(h), as an EAGLE draft's first layer)."""
+    def forward(self, ops, h, norm: RMSNorm | None, cos, sin, meta, kv_cache, residual=None):
+        """h + attention(norm(h)) (no norm: h + attention(h), as an EAGLE draft's first layer; `residual`: added
+        instead of h, as an EAGLE-3 draft's attention reads more than its residual stream)."""
         qkv = ops.linear(h, self.qkv_proj.weight, self.qkv_proj.bias, norm_weight=norm and norm.weight,
                          eps=norm.eps if norm else 0.0, weight_scale=self.qkv_proj.weight_scale)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -157,7 +158,7 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = attention(ops, q, k, v, cos, sin, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj.residual_add(ops, o.flatten(1), residual=h)
+        return self.o_proj.residual_add(ops, o.flatten(1), residual=h if residual is None else residual)
 
 
 class MLP(nn.Module):
@@ -246,17 +247,26 @@ class LlamaForCausalLM(nn.Module):
         """'torch' (PyTorch references) or 'triton'."""
         self.ops = kernel_set(name)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[KVCache] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache] | None = None,
+                feature_layers: tuple[int, ...] = ()):
         """input_ids: [T], at meta.positions. Returns the residual stream after the last layer [T, hidden] (the
-        final norm is applied by `compute_logits`, on the rows that need logits)."""
+        final norm is applied by `compute_logits`, on the rows that need logits). With `feature_layers` (ascending;
+        the number of layers stands for after the last), returns (that, the residual streams at the input of those
+        layers, side by side [T, len(feature_layers) x hidden]): what a speculative draft reads of the target."""
         h = self.embed_tokens(input_ids)
         if self._inv_freq.device != h.device:
             self._inv_freq = self._inv_freq.to(h.device)
         cos, sin = rope_cos_sin(self._inv_freq, meta.positions, h.dtype)
+        features = []
         for i, layer in enumerate(self.layers):
+            if i in feature_layers:
+                features.append(h)
             h = layer(self.ops, h, cos, sin, meta, None if kv_caches is None else kv_caches[i])
-        return h
+        if not feature_layers:
+            return h
+        if len(self.layers) in feature_layers:
+            features.append(h)
+        return h, features[0] if len(features) == 1 else torch.cat(features, -1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of rows of `forward`'s output (every rank gets all of them)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from flashpage.errors import DictSetting
 from flashpage.kernels.tree import MAX_TREE_TOKENS
 
-METHODS = ("ngram", "draft_model", "lookahead", "medusa", "eagle")
+METHODS = ("ngram", "draft_model", "lookahead", "medusa", "eagle", "eagle3")
 ACCEPTANCE = ("rejection_sampler", "typical_acceptance_sampler")
 HEADS_TREE_WIDTH = 4  # medusa's and eagle's default: 4 guesses a node, 4 x num_speculative_tokens nodes
 MAX_SPECULATIVE_TOKENS = 16  # beyond this a verify step costs more than the tokens it can win (docs/spec.md)
@@ -19,7 +19,8 @@ class SpeculativeConfig:
     method: str  # "ngram": prompt lookup; "draft_model": a smaller model with the target's vocabulary;
     # "lookahead": lookahead decoding (Jacobi guesses and their n-grams, engine/spec/lookahead.py); "medusa":
     # Medusa heads on the target's hidden state (engine/spec/medusa.py); "eagle": an EAGLE draft layer on the
-    # target's features, EAGLE-2's dynamic trees (engine/spec/eagle.py)
+    # target's features, EAGLE-2's dynamic trees (engine/spec/eagle.py); "eagle3": an EAGLE-3 draft (three of
+    # the target's layers fused, its own vocabulary; engine/spec/eagle3.py), the same trees
     # k: tokens proposed per sequence and step (lookahead: its tree's depth, set for it; medusa: the heads used,
     # default all of the checkpoint's, None until the engine reads them)
     num_speculative_tokens: int | None
@@ -107,7 +108,7 @@ class SpeculativeConfig:
             d.setdefault("num_speculative_tokens", None)
         elif "medusa_choices" in d:
             bad("medusa_choices", "applies to method medusa only")
-        if d["method"] == "eagle":
+        if d["method"] in ("eagle", "eagle3"):
             if not isinstance(d.get("model"), str):
                 bad("model", "must name the EAGLE draft's checkpoint (a directory or Hub id)")
             setting.integer("tree_width", 1, HEADS_TREE_WIDTH)
@@ -151,7 +152,7 @@ class SpeculativeConfig:
             if not isinstance(width, int) or isinstance(width, bool) or width < 1 or width * k >= MAX_TREE_TOKENS:
                 bad("tree_width", f"must be an integer >= 1 with tree_width x num_speculative_tokens < "
                                   f"{MAX_TREE_TOKENS} (a tree and the token before it), got {width!r}")
-        elif d["method"] in ("eagle", "draft_model"):
+        elif d["method"] in ("eagle", "eagle3", "draft_model"):
             d.setdefault("tree_width", 1)
             setting.integer("tree_width", 1, 1)
             if d["tree_width"] * k >= MAX_TREE_TOKENS:

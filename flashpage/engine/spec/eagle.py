@@ -22,7 +22,8 @@ Checkpoint layout (EAGLE-1; EAGLE-2 uses the same checkpoints): a directory with
 hidden layer) and `fc.weight` [hidden, 2 hidden] (`fc.bias` where trained with one) and `layers.0.*` (a Llama
 decoder layer, whose `input_layernorm` the published drafts leave out: the fused input is used as it is), in
 model.safetensors or pytorch_model.bin, optionally under `model.`. The embedding and LM head are the target's.
-EAGLE-3's layout (three fused target layers, its own vocabulary) is not read yet.
+EAGLE-3's drafts (`method: "eagle3"`, engine/spec/eagle3.py) read other features and have their own head; the
+proposer here serves both through the draft's `fuse`, `embed`, `forward` and `logprobs`.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def draft_dir(model: str) -> Path:
 
 
 def draft_config(path: Path) -> ModelConfig:
-    """The draft's decoder-layer shape."""
+    """The draft's decoder-layer shape (a Llama layer, whatever architecture its config names: EAGLE-3's say
+    LlamaForCausalLMEagle3)."""
     raw = read_config(path, _bad)
     try:
-        return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **raw, "num_hidden_layers": 1})
+        return ModelConfig.from_hf({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1})
     except (ValueError, KeyError, TypeError) as e:
         raise _bad(str(e)) from None
 
@@ -80,6 +82,14 @@ class EagleDraft(nn.Module):
             self.layer.input_layernorm = None
         self._inv_freq = rope_inv_freq(cfg)
 
+    def fuse(self, ops, target, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's features of the target's (its last layer's output): final-normed, as its LM head sees them."""
+        norm = target.norm
+        return rms_norm(hidden.float(), norm.weight.float(), norm.eps).to(hidden.dtype)
+
+    def embed(self, target, ids: torch.Tensor) -> torch.Tensor:
+        return target.embed_tokens(ids)
+
     def forward(self, ops, embedded: torch.Tensor, features: torch.Tensor, meta, kv_cache) -> torch.Tensor:
         """The next features f' [T, hidden] of elements (embedded tokens, features) at meta.positions."""
         if self._inv_freq.device != embedded.device:
@@ -87,6 +97,11 @@ class EagleDraft(nn.Module):
         x = ops.linear(torch.cat([embedded, features.to(embedded.dtype)], -1), self.fc.weight, self.fc.bias)
         cos, sin = rope_cos_sin(self._inv_freq, meta.positions, x.dtype)
         return self.layer(ops, x, cos, sin, meta, kv_cache)
+
+    def logprobs(self, ops, target, features: torch.Tensor) -> torch.Tensor:
+        """The draft's log-probabilities of the next token: the target's LM head on predicted features."""
+        head = target.embed_tokens if target.lm_head is None else target.lm_head
+        return torch.log_softmax(ops.linear(features, head.weight, out_dtype=torch.float32), dim=-1)
 
 
 def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, device) -> EagleDraft:
@@ -97,7 +112,7 @@ def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, devic
             raise _bad(f"its {key} is {getattr(cfg, key)}, the target's {getattr(target_config, key)}")
     tensors = {name.removeprefix("model."): t for name, t in read_tensors(path, _bad).items()}
     if any(name.startswith(("midlayer.", "d2t", "t2d")) for name in tensors):
-        raise _bad("this is an EAGLE-3 checkpoint (midlayer, d2t), whose layout is not supported yet")
+        raise _bad("this is an EAGLE-3 checkpoint (midlayer, d2t): give method 'eagle3'")
     draft = EagleDraft(cfg, "fc.bias" in tensors, "layers.0.input_layernorm.weight" in tensors)
     params = dict(draft.named_parameters())
     filled: dict[str, int] = {}
@@ -119,7 +134,11 @@ class EagleProposer:
 
     def __init__(self, spec, cfg, target):
         c = target.config
-        self.draft = load_eagle(spec.model, c, target.dtype, target.device)
+        if spec.method == "eagle3":
+            from flashpage.engine.spec.eagle3 import load_eagle3
+            self.draft = load_eagle3(spec.model, c, target.dtype, target.device)
+        else:
+            self.draft = load_eagle(spec.model, c, target.dtype, target.device)
         self.target = target.model
         self.ops, self.device = target.model.ops, target.device
         d = self.draft.layer.self_attn
@@ -133,12 +152,10 @@ class EagleProposer:
         self.features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, target features)
         self.done: dict[int, int] = {}  # seq_id -> elements in the draft cache (positions 0 .. done - 1)
         self.verified: dict[int, torch.Tensor] = {}  # seq_id -> a verify step's features, until `observe`
-        target.keep_hidden = True
 
     # ----- the target's features --------------------------------------------------------------------------
-    def _normed(self, h: torch.Tensor) -> torch.Tensor:
-        norm = self.target.norm
-        return rms_norm(h.float(), norm.weight.float(), norm.eps).to(h.dtype)
+    def _fused(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft.fuse(self.ops, self.target, hidden)
 
     def _add(self, seq_id: int, position: int, feats: torch.Tensor) -> None:
         """Features of positions `position` .. on; earlier ones it replaces (a preempted sequence recomputed)."""
@@ -160,7 +177,7 @@ class EagleProposer:
             return
         row = 0
         for s in plan.seqs:
-            feats = self._normed(hidden[row:row + len(s.token_ids)])
+            feats = self._fused(hidden[row:row + len(s.token_ids)])
             row += len(s.token_ids)
             if s.num_logits > 1:
                 self.verified[s.seq_id] = feats
@@ -175,13 +192,11 @@ class EagleProposer:
     # ----- drafting -----------------------------------------------------------------------------------------
     def _run(self, plan: StepPlan, features: torch.Tensor) -> torch.Tensor:
         inputs = prepare_inputs(plan, self.block_size, self.device)
-        embedded = self.target.embed_tokens(inputs.ids)
+        embedded = self.draft.embed(self.target, inputs.ids)
         return self.draft(self.ops, embedded, features, inputs.meta, self.kv[0])
 
     def _logprobs(self, feats: torch.Tensor) -> torch.Tensor:
-        """The draft's log-probabilities of the next token: the target's LM head on predicted features."""
-        head = self.target.embed_tokens if self.target.lm_head is None else self.target.lm_head
-        return torch.log_softmax(self.ops.linear(feats, head.weight, out_dtype=torch.float32), dim=-1)
+        return self.draft.logprobs(self.ops, self.target, feats)
 
     @torch.inference_mode()
     def propose(self, running) -> None:

@@ -181,7 +181,6 @@ class MedusaProposer:
         self.top = max(max(p) for p in self.choices) + 1
         self.norm = target.model.norm
         self.hidden: dict[int, torch.Tensor] = {}  # seq_id -> the hidden state that drew its last token
-        target.keep_hidden = True
 
     def observe(self, seq, drawn: list[int], emitted: list[int], hidden: torch.Tensor | None) -> None:
         """After every step that drew tokens for `seq`: keep the hidden state at the row of its last token."""
