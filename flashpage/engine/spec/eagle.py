@@ -114,19 +114,25 @@ def load_eagle(model: str, target_config: ModelConfig, dtype: torch.dtype, devic
     if any(name.startswith(("midlayer.", "d2t", "t2d")) for name in tensors):
         raise _bad("this is an EAGLE-3 checkpoint (midlayer, d2t): give method 'eagle3'")
     draft = EagleDraft(cfg, "fc.bias" in tensors, "layers.0.input_layernorm.weight" in tensors)
+    for name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+        tensors.pop(name, None)  # the target's are used
+    return filled_draft(draft, tensors, "layers.0.", dtype, device)
+
+
+def filled_draft(draft: nn.Module, tensors: dict[str, torch.Tensor], layer_prefix: str, dtype, device) -> nn.Module:
+    """The draft with every tensor loaded (`layer_prefix` naming its decoder layer in the checkpoint), on the
+    device in the target's dtype, frozen; `_bad` names a tensor that does not fit and the parameters left empty."""
     params = dict(draft.named_parameters())
     filled: dict[str, int] = {}
     for name, tensor in tensors.items():
-        if name in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
-            continue  # the target's are used
         try:
-            load_tensor(draft, params, name.replace("layers.0.", "layer.", 1), tensor, filled, label=name)
+            load_tensor(draft, params, name.replace(layer_prefix, "layer.", 1), tensor, filled, label=name)
         except ValueError as e:
             raise _bad(str(e)) from None
     missing = unfilled(draft, params, filled)
     if missing:
         raise _bad(f"the checkpoint lacks tensors for {', '.join(missing[:4])}")
-    return draft.to(device=device, dtype=dtype).eval()
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 class EagleProposer:

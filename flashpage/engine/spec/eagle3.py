@@ -26,8 +26,8 @@ from torch import nn
 
 from flashpage.config import ModelConfig
 from flashpage.engine.spec.checkpoint import read_config, read_tensors
-from flashpage.engine.spec.eagle import EagleDraft, _bad, draft_config, draft_dir
-from flashpage.model.llama import MergedLinear, RMSNorm, load_tensor, unfilled
+from flashpage.engine.spec.eagle import EagleDraft, _bad, draft_config, draft_dir, filled_draft
+from flashpage.model.llama import MergedLinear, RMSNorm
 from flashpage.model.rope import rope_cos_sin
 
 
@@ -117,14 +117,4 @@ def load_eagle3(model: str, target_config: ModelConfig, dtype: torch.dtype, devi
         draft.target_ids.copy_(ids)
     elif draft_vocab != cfg.vocab_size:
         raise _bad(f"its draft vocabulary ({draft_vocab}) is not the target's, and it has no d2t to map it")
-    params = dict(draft.named_parameters())
-    filled: dict[str, int] = {}
-    for name, tensor in tensors.items():
-        try:
-            load_tensor(draft, params, name.replace("midlayer.", "layer.", 1), tensor, filled, label=name)
-        except ValueError as e:
-            raise _bad(str(e)) from None
-    missing = unfilled(draft, params, filled)
-    if missing:
-        raise _bad(f"the checkpoint lacks tensors for {', '.join(missing[:4])}")
-    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return filled_draft(draft, tensors, "midlayer.", dtype, device)
