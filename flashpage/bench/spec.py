@@ -76,7 +76,7 @@ def real_prompts() -> list[tuple[str, str]]:
 def default_llm(args):
     from flashpage import LLM
 
-    return LLM(args.model, **({"dtype": "float32"} if args.device == "cpu" else {}), device=args.device,
+    return LLM(args.model, **({"dtype": args.cpu_dtype} if args.device == "cpu" else {}), device=args.device,
                max_model_len=4096, num_gpu_blocks=512)
 
 
@@ -646,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", help="mechanics: the weights' dtype (float32: the oracle's answers "
                    "survive the rounding differences between decode and verify steps, see the suite's notes)")
     p.add_argument("--skip-verify-steps", action="store_true", help="mechanics: leave out part 1")
+    p.add_argument("--cpu-dtype", default="float32", help="real, sot, medusa on a CPU: the model's dtype (auto: "
+                   "what LLM picks there, e.g. bfloat16 and a GGUF's 4-bit blocks on a CPU with AMX)")
     p.add_argument("--draft", default=None, help="mechanics, heads: a draft model preset (dummy weights), e.g. "
                    "llama-3.2-1b")
     p.add_argument("--out", type=Path, default=None)
