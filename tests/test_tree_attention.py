@@ -83,6 +83,12 @@ def test_tree_attention_matches_node_by_node(prefix_lens, shapes, page, hq, hkv,
     reference = ref.paged_attention(q.double(), KVCache(k_cache.double(), v_cache.double()), table, cu_q, seq_lens,
                                     max(lens_q), query_mask=bits)
     assert rel_err(reference, expected) < 1e-12
+    if q.device.type == "cpu":  # the CPU set's: the prefix densely, the tree's keys masked, merged
+        from flashpage.kernels import cpu
+        for dtype, tol in ((torch.bfloat16, TOL[torch.bfloat16]), (torch.float32, 1e-5)):
+            got = cpu.paged_attention(q.to(dtype), KVCache(k_cache.to(dtype), v_cache.to(dtype)), table, cu_q,
+                                      seq_lens, max(lens_q), out=nan_like(q.to(dtype)), query_mask=bits)
+            assert torch.isfinite(got).all() and rel_err(got, expected) < tol, dtype
     if max(lens_q) > 1 and any(len(set(t)) < len(t) for t in trees):  # a real tree is not causal attention
         causal = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, max(lens_q))
         assert rel_err(causal, expected) > 3 * rel_err(out, expected) + 1e-3

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from flashpage.kernels import reference
 from flashpage.kernels.int4 import int4_linear
+from flashpage.kernels.tree import check_query_mask, tree_visible
 from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, composed_linear, flash_attn_varlen,
                                          greedy, sample, silu_and_mul, sparq_attention, write_sparq_copies)
 
@@ -80,6 +81,9 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     independent of what else is batched (a reduction's order depends on the padded length), so a seeded request
     samples the same tokens in any batch."""
     batch = block_table.shape[0]
+    if query_mask is not None and block_sparse is None and q.device.type == "cpu":
+        check_query_mask(query_mask, q, causal, window_size)
+        return tree_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, query_mask, softmax_scale, out)
     if max_seqlen_q != 1 or q.shape[0] != batch or query_mask is not None:  # prefill, trees: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -90,6 +94,46 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
                                            scale=softmax_scale, enable_gqa=True)
         out[rows] = o[:, :, 0, :]
+    return out
+
+
+def tree_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, query_mask, softmax_scale, out=None):
+    """A step whose queries form token trees (`kernels/tree.py`), one sequence at a time: its queries see every key
+    before the tree, densely (PyTorch's flash kernel, no mask, which also returns the log-sum-exp), and among the
+    tree's own keys their ancestors (a masked product of the tree's few rows), the two merged by their log-sum-exps.
+    A masked call over all the keys took 4-5x as long (docs/cpu.md)."""
+    cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
+    if any(len_k < cu_q[i + 1] - cu_q[i] for i, len_k in enumerate(lens_k)):
+        # rows of padding that have no key (a CUDA graph's inputs, run eagerly in a test): as the reference does
+        return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, 0,
+                                         softmax_scale=softmax_scale, out=out, query_mask=query_mask)
+    out = torch.empty_like(q) if out is None else out
+    scale = softmax_scale or q.shape[-1] ** -0.5
+    page = kv_cache.block_size
+    for i, len_k in enumerate(lens_k):
+        first, end = cu_q[i], cu_q[i + 1]
+        n, prefix = end - first, len_k - (end - first)
+        if n == 0:
+            continue
+        k, v = (x.flatten(0, 1)[:len_k] for x in reference.read_pages(kv_cache, block_table[i, :-(-len_k // page)],
+                                                                         q.dtype))
+        group = q.shape[1] // k.shape[1]
+        qs = q[first:end].transpose(0, 1)  # [Hq, n, D]
+        k_tree, v_tree = (x[prefix:].transpose(0, 1).repeat_interleave(group, 0).float() for x in (k, v))
+        scores = (qs.float() @ k_tree.transpose(1, 2)) * scale
+        sees = tree_visible(query_mask[first:end], n) & torch.ones(n, n, dtype=torch.bool).tril_()
+        scores.masked_fill_(~sees, float("-inf"))
+        lse = scores.logsumexp(-1, keepdim=True)  # [Hq, n, 1] (a query always sees itself)
+        o = torch.softmax(scores, -1) @ v_tree
+        if prefix > 0:
+            k_pre, v_pre = (x[:prefix].transpose(0, 1).repeat_interleave(group, 0)[None] for x in (k, v))
+            o_pre, lse_pre = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qs[None], k_pre, v_pre,
+                                                                                         scale=scale)[:2]
+            lse_pre = lse_pre[0, ..., None]
+            top = torch.maximum(lse, lse_pre)
+            w, w_pre = (lse - top).exp(), (lse_pre - top).exp()
+            o = (w * o + w_pre * o_pre[0].float()) / (w + w_pre)
+        out[first:end] = o.transpose(0, 1).to(out.dtype)
     return out
 
 
