@@ -1,7 +1,9 @@
 """The CPU kernel set: the PyTorch references (same signatures), except where a batched form is measurably faster
 on a CPU. Decode attention is one scaled-dot-product call per group of sequences of the same page count instead
 of one call per sequence (at 32 sequences that call count was most of a CPU decode step), its gather indices and
-masks computed once a step, not once a layer; the cache write skips the reference's selection (docs/cpu.md)."""
+masks computed once a step, not once a layer; the cache write skips the reference's selection. Products read
+bfloat16 weights packed for oneDNN, and GGUF's 4-bit codes as stored or, from a few rows on, dequantized once;
+token trees attend to the keys before them without a mask (docs/cpu.md)."""
 
 from __future__ import annotations
 
