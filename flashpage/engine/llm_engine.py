@@ -186,8 +186,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Serve a few short requests so that the kernels real requests need are compiled before they come (a
         server's first prefill otherwise waits seconds for Triton: 8 s on an H100 for llama-3-8b), and on a CPU
-        the weights packed (kernels/cpu.py: 1.2 s for SmolLM2). Triton compiles
-        a kernel again for integer arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of
+        the weights packed (kernels/cpu.py: 1.2 s for SmolLM2). Triton compiles a kernel again for integer
+        arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of
         16 tokens, then 3 of 23 tokens in all beside those 16 decoding, then one whose first block is cached
         (prefill after a prefix). Greedy and sampled draws, with log-probs. A request the engine could never serve
         (a tiny context or cache) is left out. Leaves their prompts in the prefix cache, nothing else."""
