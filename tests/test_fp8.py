@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import rel_err
+from conftest import DEVICE, rel_err
 from flashpage import LLM, SamplingParams
 from flashpage.bench.quality import perplexity
 from flashpage.kernels import reference
@@ -36,9 +36,10 @@ def test_decode_linear_streams_fp8_weights(silu_mul):
     from flashpage.kernels.linear import skinny_linear
 
     n, k = 50, 96
-    x = torch.randn(5, k, dtype=torch.bfloat16)
-    q, scale = quantize_rows(torch.randn(2 * n if silu_mul else n, k))
-    bias, residual = (None, None) if silu_mul else (torch.randn(n, dtype=torch.bfloat16), torch.randn(5, n, dtype=torch.bfloat16))
+    x = torch.randn(5, k, dtype=torch.bfloat16, device=DEVICE)
+    q, scale = quantize_rows(torch.randn(2 * n if silu_mul else n, k, device=DEVICE))
+    bias, residual = (None, None) if silu_mul else (torch.randn(n, dtype=torch.bfloat16, device=DEVICE),
+                                                    torch.randn(5, n, dtype=torch.bfloat16, device=DEVICE))
     out = skinny_linear(x, q, bias, silu_mul=silu_mul, residual=residual, weight_scale=scale)
     dequantized = q.double() * scale.double()[:, None]
     kw = dict(bias=bias, silu_mul=silu_mul, residual=residual)

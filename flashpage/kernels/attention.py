@@ -41,7 +41,7 @@ def tile_dot(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _exactly(x, dtype):
+def exact_cast(x, dtype):
     """A tile of the cache in the queries' dtype: a quantized cache's values convert exactly, by way of float32
     (for e4m3 on an H100 that took 0.22 ms at 64x4k instead of 0.31 converting directly, docs/kernel-notes.md;
     and Triton 3.6's interpreter converts int8 to bf16 wrongly)."""
@@ -69,7 +69,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
         if TMA:  # K/V are descriptors of the cache as [slots, Hkv * D]; a tile lies inside one page
             block = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE)
             row = block * PAGE_SIZE + start % PAGE_SIZE
-            k = _exactly(tl.trans(K.load([row, kv_head * stride_kh])), q.dtype)
+            k = exact_cast(tl.trans(K.load([row, kv_head * stride_kh])), q.dtype)
         elif PAGED:
             block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
             k_row = block * stride_kb + (kpos % PAGE_SIZE) * stride_kt
@@ -78,7 +78,7 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
             k_row = (k_start + kpos).to(tl.int64) * stride_kt
             v_row = (k_start + kpos).to(tl.int64) * stride_vt
         if not TMA:
-            k = _exactly(tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
+            k = exact_cast(tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
                                  mask=k_ok[None, :] & d_ok[:, None], other=0.0), q.dtype)
         s = tile_dot(q, k, UPCAST) * sm_scale_log2
         if TOKEN_SCALES:  # scales [blocks, Hkv, PAGE_SIZE]; 0 past the end: its scores are masked, 0 * NaN is not
@@ -113,11 +113,11 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
-            v = _exactly(V.load([row, kv_head * stride_vh]), q.dtype)
+            v = exact_cast(V.load([row, kv_head * stride_vh]), q.dtype)
             if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
                 v = tl.where(k_ok[:, None], v, 0.0)
         else:
-            v = _exactly(tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
+            v = exact_cast(tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
                                  mask=k_ok[:, None] & d_ok[None, :], other=0.0), q.dtype)
         if TOKEN_SCALES:
             p = p * tl.load(VScale + scale_at, mask=k_ok, other=0.0)[None, :]

@@ -8,7 +8,8 @@ that come after each projection of a decoder layer, without adding work to the l
   columns I + j, and writes silu(gate) * up, so the [M, 2I] intermediate never exists;
 - bias, the residual add (one rounding, as torch.addmm), and the output dtype (float32 logits from the LM head);
 - FP8 (e4m3) weights with one scale per output feature: a tile is converted to the activations' dtype in
-  registers and the scales multiply the float32 sums, so the loop streams half the bytes of a 16-bit weight.
+  registers (by way of float32, which an H100 does faster than e4m3 -> bf16 directly) and the scales multiply the
+  float32 sums, so the loop streams half the bytes of a 16-bit weight.
 The RMSNorm before a projection stays a kernel of its own: each program would have to read the whole input rows
 before its first product, and that costs more than the launch it saves (measured: docs/kernel-notes.md).
 A program owns BLOCK_N output features of BLOCK_M rows and walks all of K (no split-K, no atomics). At decode
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.attention import tile_dot
+from flashpage.kernels.attention import exact_cast, tile_dot
 
 MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
@@ -57,9 +58,9 @@ def _linear_kernel(
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = col_ok[:, None] & k_ok[None, :]
-        acc += tile_dot(x, tl.trans(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0).to(x.dtype)), UPCAST)
+        acc += tile_dot(x, tl.trans(exact_cast(tl.load(w_rows + k[None, :], mask=w_ok, other=0.0), x.dtype)), UPCAST)
         if SILU_MUL:
-            up = tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0).to(x.dtype)
+            up = exact_cast(tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0), x.dtype)
             acc_up += tile_dot(x, tl.trans(up), UPCAST)
     if FP8_WEIGHT:
         acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
