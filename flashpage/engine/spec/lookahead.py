@@ -13,7 +13,9 @@ first token. One step computes, as one token tree rooted at the sequence's last 
 After the step (`observe`), the draws after the last level's tokens become the new last level (the others move
 down a level), and each column's diagonal, from the old level 0 to the new draw, is an n-gram at consecutive
 positions, added to the pool. llama.cpp's `examples/lookahead` is the reference this follows (its level update
-for every emitted token, its pool of G per first token).
+for every emitted token, its pool of G per first token). With `pool_from_prompt` (the default, as the paper's own
+code offers with POOL_FROM_PROMPT) the pool starts with the prompt's n-grams, so text the answer repeats from
+its prompt is verified from the first step on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class LookaheadProposer:
 
     def __init__(self, spec):
         self.window, self.ngram, self.guesses = spec.window_size, spec.ngram_size, spec.guess_set_size
+        self.pool_from_prompt = spec.pool_from_prompt
         self.levels: dict[int, list[list[int]]] = {}  # seq_id -> N - 1 levels of W guesses
         self.pools: dict[int, dict[int, list[tuple[int, ...]]]] = {}  # seq_id -> first token -> n-grams, newest last
         self.last_level: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (tree size, last level's node per column)
@@ -42,6 +45,10 @@ class LookaheadProposer:
                 levels = self.levels[seq.seq_id] = [[rng.choice(seq.token_ids) for _ in range(self.window)]
                                                     for _ in range(self.ngram - 1)]
                 self.pools[seq.seq_id] = {}
+                if self.pool_from_prompt:
+                    for i in range(len(seq.token_ids) - self.ngram + 1):
+                        self._remember(self.pools[seq.seq_id], seq.token_ids[i],
+                                       tuple(seq.token_ids[i + 1:i + self.ngram]))
             nodes, parents = trie(self.pools[seq.seq_id].get(seq.token_ids[-1], []))  # the verification branch
             column_root = [-1]  # the node each column's upper levels hang from: level 0's, column 0 the last token
             for i in range(1, self.window):
@@ -74,11 +81,14 @@ class LookaheadProposer:
             if v:
                 continue
             for f in range(self.window):  # each column's diagonal: an n-gram at consecutive positions
-                first, gram = previous[f], tuple(level[f] for level in levels)
-                grams = pool.setdefault(first, [])
-                if gram not in grams:
-                    grams.append(gram)
-                    del grams[:-self.guesses]
+                self._remember(pool, previous[f], tuple(level[f] for level in levels))
+
+    def _remember(self, pool: dict[int, list[tuple[int, ...]]], first: int, gram: tuple[int, ...]) -> None:
+        """Keep an n-gram after `first`, the G newest per first token."""
+        grams = pool.setdefault(first, [])
+        if gram not in grams:
+            grams.append(gram)
+            del grams[:-self.guesses]
 
     def release(self, seq_id: int) -> None:
         self.levels.pop(seq_id, None)
