@@ -48,7 +48,7 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
 
     from flashpage.engine.spec.lookahead import LookaheadProposer
 
-    spec = SimpleNamespace(window_size=3, ngram_size=4, guess_set_size=2, pool_from_prompt=False)
+    spec = SimpleNamespace(window_size=3, ngram_size=4, guess_set_size=2, pool_from_context=False)
     proposer = LookaheadProposer(spec)
     seq = SimpleNamespace(seq_id=7, num_uncomputed=1, num_pending=0, token_ids=[5, 6, 9], proposal=[],
                           proposal_parents=None)
@@ -69,14 +69,14 @@ def test_lookahead_tree_is_the_2d_window_and_its_draws_make_the_next_levels_and_
 
 
 def test_lookahead_pool_starts_with_the_prompts_ngrams():
-    """pool_from_prompt: every n-gram of the prompt, under its first token, the G newest per token, no repeats;
-    the first tree verifies the ones after the last token."""
+    """pool_from_context: every n-gram of the prompt, under its first token, the G newest per token, no repeats;
+    the first tree verifies the ones after the last token; then the n-grams ending at each emitted token."""
     from types import SimpleNamespace
 
     from flashpage.engine.spec.lookahead import LookaheadProposer
 
     prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 4, 1, 7, 8, 9, 1]
-    proposer = LookaheadProposer(SimpleNamespace(window_size=2, ngram_size=3, guess_set_size=2, pool_from_prompt=True))
+    proposer = LookaheadProposer(SimpleNamespace(window_size=2, ngram_size=3, guess_set_size=2, pool_from_context=True))
     seq = SimpleNamespace(seq_id=3, num_uncomputed=1, num_pending=0, token_ids=prompt, proposal=[],
                           proposal_parents=None)
     proposer.propose([seq])
@@ -84,6 +84,11 @@ def test_lookahead_pool_starts_with_the_prompts_ngrams():
     assert pool[1] == [(2, 5), (7, 8)]  # (2, 3), (2, 5), (2, 3) again (kept once), (7, 8): the two newest
     assert pool[2] == [(3, 4), (5, 6)] and pool[4] == [(1, 2), (1, 7)] and 9 not in pool  # (9 ends the prompt)
     assert seq.proposal[:4] == [2, 5, 7, 8] and seq.proposal_parents[:4] == [-1, 0, -1, 2]
+    drawn = [0] * (len(seq.proposal) + 1)
+    drawn[0], drawn[3] = 7, 8  # 7 drawn after the last token (node 2 kept), then 8 after node 2
+    seq.num_known = len(prompt)
+    proposer.observe(seq, drawn, emitted=[0, 3])  # the answer's new 3-grams: 9 1 7 and 1 7 8
+    assert (1, 7) in pool[9] and (7, 8) in pool[1]
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -39,12 +39,12 @@ class SpeculativeConfig:
     medusa_choices: tuple[tuple[int, ...], ...] | None = None
     # lookahead: the window W (guesses per level), the n-gram size N (N - 1 levels) and the guess set G (n-grams
     # verified per step at most); a step's tree has (W - 1) + W (N - 2) + G (N - 1) nodes. The defaults were the
-    # fastest of seven settings on SmolLM2 (docs/spec.md): long n-grams, few of them, a narrow window
+    # fastest of the settings measured on SmolLM2 (docs/spec.md): long n-grams, few of them, a narrow window
     window_size: int = 2
     ngram_size: int = 8
     guess_set_size: int = 3
-    # lookahead: the pool starts with the prompt's n-grams (the paper's code's POOL_FROM_PROMPT)
-    pool_from_prompt: bool = True
+    # lookahead: the pool also holds the sequence's own n-grams, the prompt's and the answer's as it grows
+    pool_from_context: bool = True
     # No proposals in a step with more running sequences than this (None: always propose). A large batch is
     # compute-bound: verifying there costs about what it wins (H100, llama-3-8b: at a third of proposals accepted,
     # 1.19x at 32 sequences, 0.89x at 64; docs/spec.md).
@@ -116,12 +116,12 @@ class SpeculativeConfig:
                 bad("model", "must name the EAGLE draft's checkpoint (a directory or Hub id)")
             setting.integer("tree_width", 1, HEADS_TREE_WIDTH)
             d.setdefault("tree_width", HEADS_TREE_WIDTH)
-        lookahead_keys = ("window_size", "ngram_size", "guess_set_size", "pool_from_prompt")
+        lookahead_keys = ("window_size", "ngram_size", "guess_set_size", "pool_from_context")
         if d["method"] == "lookahead":
             for key, low in zip(lookahead_keys, (1, 3, 1)):
                 setting.integer(key, low, getattr(cls, key))
-            if not isinstance(d.get("pool_from_prompt", True), bool):
-                bad("pool_from_prompt", f"must be true or false, got {d['pool_from_prompt']!r}")
+            if not isinstance(d.get("pool_from_context", True), bool):
+                bad("pool_from_context", f"must be true or false, got {d['pool_from_context']!r}")
             w, n, g = (d.get(key, getattr(cls, key)) for key in lookahead_keys[:3])
             if (w - 1) + w * (n - 2) + g * (n - 1) >= MAX_TREE_TOKENS:
                 bad("window_size", f"W - 1 + W (N - 2) + G (N - 1) tree nodes must be fewer than {MAX_TREE_TOKENS}"

@@ -13,9 +13,9 @@ first token. One step computes, as one token tree rooted at the sequence's last 
 After the step (`observe`), the draws after the last level's tokens become the new last level (the others move
 down a level), and each column's diagonal, from the old level 0 to the new draw, is an n-gram at consecutive
 positions, added to the pool. llama.cpp's `examples/lookahead` is the reference this follows (its level update
-for every emitted token, its pool of G per first token). With `pool_from_prompt` (the default, as the paper's own
-code offers with POOL_FROM_PROMPT) the pool starts with the prompt's n-grams, so text the answer repeats from
-its prompt is verified from the first step on.
+for every emitted token, its pool of G per first token). With `pool_from_context` (the default) the pool also
+holds the sequence's own n-grams: the prompt's from the start (the paper's code offers that as POOL_FROM_PROMPT)
+and the answer's as it grows, so text the answer repeats, from its prompt or from itself, is verified at once.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class LookaheadProposer:
 
     def __init__(self, spec):
         self.window, self.ngram, self.guesses = spec.window_size, spec.ngram_size, spec.guess_set_size
-        self.pool_from_prompt = spec.pool_from_prompt
+        self.pool_from_context = spec.pool_from_context
         self.levels: dict[int, list[list[int]]] = {}  # seq_id -> N - 1 levels of W guesses
         self.pools: dict[int, dict[int, list[tuple[int, ...]]]] = {}  # seq_id -> first token -> n-grams, newest last
         self.last_level: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (tree size, last level's node per column)
@@ -45,7 +45,7 @@ class LookaheadProposer:
                 levels = self.levels[seq.seq_id] = [[rng.choice(seq.token_ids) for _ in range(self.window)]
                                                     for _ in range(self.ngram - 1)]
                 self.pools[seq.seq_id] = {}
-                if self.pool_from_prompt:
+                if self.pool_from_context:
                     for i in range(len(seq.token_ids) - self.ngram + 1):
                         self._remember(self.pools[seq.seq_id], seq.token_ids[i],
                                        tuple(seq.token_ids[i + 1:i + self.ngram]))
@@ -82,6 +82,11 @@ class LookaheadProposer:
                 continue
             for f in range(self.window):  # each column's diagonal: an n-gram at consecutive positions
                 self._remember(pool, previous[f], tuple(level[f] for level in levels))
+        if self.pool_from_context:  # and the n-grams the answer itself makes, ending at each emitted token
+            known = seq.num_known  # (the emitted tokens go where the PENDING ones are)
+            tail = seq.token_ids[max(0, known - self.ngram + 1):known] + [drawn[r] for r in emitted]
+            for i in range(len(tail) - self.ngram + 1):
+                self._remember(pool, tail[i], tuple(tail[i + 1:i + self.ngram]))
 
     def _remember(self, pool: dict[int, list[tuple[int, ...]]], first: int, gram: tuple[int, ...]) -> None:
         """Keep an n-gram after `first`, the G newest per first token."""
