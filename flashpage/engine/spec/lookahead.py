@@ -46,9 +46,7 @@ class LookaheadProposer:
                                                     for _ in range(self.ngram - 1)]
                 self.pools[seq.seq_id] = {}
                 if self.pool_from_context:
-                    for i in range(len(seq.token_ids) - self.ngram + 1):
-                        self._remember(self.pools[seq.seq_id], seq.token_ids[i],
-                                       tuple(seq.token_ids[i + 1:i + self.ngram]))
+                    self._learn(self.pools[seq.seq_id], seq.token_ids)
             nodes, parents = trie(self.pools[seq.seq_id].get(seq.token_ids[-1], []))  # the verification branch
             column_root = [-1]  # the node each column's upper levels hang from: level 0's, column 0 the last token
             for i in range(1, self.window):
@@ -84,9 +82,12 @@ class LookaheadProposer:
                 self._remember(pool, previous[f], tuple(level[f] for level in levels))
         if self.pool_from_context:  # and the n-grams the answer itself makes, ending at each emitted token
             known = seq.num_known  # (the emitted tokens go where the PENDING ones are)
-            tail = seq.token_ids[max(0, known - self.ngram + 1):known] + [drawn[r] for r in emitted]
-            for i in range(len(tail) - self.ngram + 1):
-                self._remember(pool, tail[i], tuple(tail[i + 1:i + self.ngram]))
+            self._learn(pool, seq.token_ids[max(0, known - self.ngram + 1):known] + [drawn[r] for r in emitted])
+
+    def _learn(self, pool: dict[int, list[tuple[int, ...]]], tokens: list[int]) -> None:
+        """Every n-gram of consecutive `tokens`, under its first token."""
+        for i in range(len(tokens) - self.ngram + 1):
+            self._remember(pool, tokens[i], tuple(tokens[i + 1:i + self.ngram]))
 
     def _remember(self, pool: dict[int, list[tuple[int, ...]]], first: int, gram: tuple[int, ...]) -> None:
         """Keep an n-gram after `first`, the G newest per first token."""
