@@ -1,9 +1,11 @@
 """`flashpage bench spec`: speculative decoding, against no speculation in the same run.
 
-`real` (the default model, CPU or GPU): prompt lookup on prompts whose answers reuse their input, written from
-text that CPython ships (the documentation in `pydoc_data/topics.py`, standard-library source): copy-edit a
-passage, edit a function, summarise a passage. Each prompt alone, greedy, chat template; wall time with and
-without speculation (the same tokens come out, which is checked), tokens per verification, acceptance.
+`real` (the default model, CPU or GPU): prompt lookup (or --speculative-config) on prompts whose answers reuse
+their input, written from text that CPython ships (the documentation in `pydoc_data/topics.py`, standard-library
+source): copy-edit a passage, edit a function, summarise a passage. Each prompt alone, greedy, chat template; wall
+time with and without speculation, the speedup as the ratio of output tokens a second (a 16-bit model's verify
+and decode steps may round differently and the two answers part: whether they are the same is reported), tokens
+per verification, acceptance.
 
 `mechanics` (CUDA GPU, dummy weights; acceptance of random weights means nothing, so the proposals are chosen):
 1. one verify step (a sequence's last token + k proposals, k = 1..8) against a plain decode step, batch 1,
