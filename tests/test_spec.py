@@ -105,6 +105,8 @@ def test_lookahead_pool_starts_with_the_prompts_ngrams():
     ({"method": "ngram", "num_speculative_tokens": 2, "window_size": 3}, "window_size applies to method lookahead"),
     ({"method": "lookahead", "ngram_size": 2}, "ngram_size must be an integer >= 3"),
     ({"method": "lookahead", "num_speculative_tokens": 4}, "is set by lookahead itself"),
+    ({"method": "lookahead", "pool_from_context": "yes"}, "pool_from_context must be true or false"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "pool_from_context": True}, "applies to method lookahead"),
     ({"method": "lookahead", "window_size": 8, "ngram_size": 5, "guess_set_size": 9}, "tree nodes must be fewer"),
 ])
 def test_bad_speculative_config_is_one_clear_error(bad, match):
