@@ -114,3 +114,13 @@ def wait_until(condition, timeout: float = 30.0) -> None:
     while not condition():
         assert time.time() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def record_rows(engine, plan, rows: torch.Tensor, into: list) -> None:
+    """For each sequence of a step's plan: (its tokens up to its last position, its positions, its rows of `rows`),
+    appended to `into` (rows laid out as the plan's tokens)."""
+    row = 0
+    for s in plan.seqs:
+        tokens = engine.seqs[s.seq_id].token_ids[:s.positions[-1] + 1]
+        into.append((tokens, s.positions, rows[row:row + len(s.token_ids)].clone()))
+        row += len(s.token_ids)

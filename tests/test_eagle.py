@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import record_rows
 from flashpage import SamplingParams
 from flashpage.config import ModelConfig
 from flashpage.engine.config import EngineConfig
@@ -99,11 +100,7 @@ def test_eagle_is_token_identical_greedy_and_seeded_and_reads_the_targets_featur
 
     def recording(plan, features):
         if not any(s.tree for s in plan.seqs):
-            row = 0
-            for s in plan.seqs:
-                tokens = spec.seqs[s.seq_id].token_ids[:s.positions[-1] + 1]
-                seen.append((tokens, s.positions, features[row:row + len(s.token_ids)].clone()))
-                row += len(s.token_ids)
+            record_rows(spec, plan, features, seen)
         return run_draft(plan, features)
     spec.proposer._run = recording
     outs = run(spec, prompts, params)

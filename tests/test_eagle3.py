@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from conftest import record_rows
 from flashpage.config import ModelConfig
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
@@ -129,11 +130,7 @@ def test_eagle3_is_token_identical_and_reads_the_three_layers(target, draft_dir,
 
     def taking(plan, hidden):
         if hidden is not None and not any(s.num_logits > 1 for s in plan.seqs):
-            row = 0
-            for s in plan.seqs:
-                tokens = spec.seqs[s.seq_id].token_ids[:s.positions[-1] + 1]
-                seen.append((tokens, s.positions, hidden[row:row + len(s.token_ids)].clone()))
-                row += len(s.token_ids)
+            record_rows(spec, plan, hidden, seen)
         return take(plan, hidden)
 
     def proposing(running):
