@@ -50,6 +50,38 @@ def test_decode_linear_streams_fp8_weights(silu_mul):
     assert rel_err(out, exact) < 3e-2
 
 
+@pytest.mark.parametrize("silu_mul,norm", [(False, True), (True, True), (False, False)])
+def test_fp8_linear_above_decode_rows(silu_mul, norm):
+    """Past 16 rows an FP8 projection quantizes its activations per token (the RMSNorm in the same kernel) and
+    multiplies e4m3 by e4m3 in Triton with the epilogues fused (interpreter on CPU; odd sizes, two row tiles):
+    against float64 arithmetic on the kernel's own quantized activations, and the reference quantizer's scales."""
+    from flashpage.kernels import triton_ops
+    from flashpage.kernels.norm import rms_norm
+    from flashpage.kernels.quantize import quantize_rows as kernel
+
+    m, n, k = 37, 45, 160
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE)
+    norm_weight = torch.rand(k, dtype=torch.bfloat16, device=DEVICE) + 0.5 if norm else None
+    q, scale = quantize_rows(torch.randn(2 * n if silu_mul else n, k, device=DEVICE))
+    bias, residual = (None, None) if silu_mul else (torch.randn(n, dtype=torch.bfloat16, device=DEVICE),
+                                                    torch.randn(m, n, dtype=torch.bfloat16, device=DEVICE))
+    out = triton_ops.linear(x, q, bias, norm_weight=norm_weight, eps=1e-5, silu_mul=silu_mul, residual=residual,
+                            weight_scale=scale)
+    xq, x_scale = kernel(x, norm_weight, 1e-5)
+    # the norm kernel's rows, quantized: the same scales as the norm in the quantizer
+    assert torch.equal(x_scale.cpu(), quantize_rows(rms_norm(x, norm_weight, 1e-5) if norm else x)[1].cpu())
+    y = (xq.double() @ q.double().t()) * x_scale.double()[:, None] * scale.double()[None, :]
+    if silu_mul:  # rounded as the kernel (and the unfused model) rounds: gate and up, silu(gate)
+        gate, up = y.bfloat16().double().chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate).bfloat16().double() * up
+    else:
+        y = y + bias.double() + residual.double()
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    # (the interpreter rounds to bf16 by truncation, and SiLU-and-mul rounds three times; a scale missed or
+    # applied twice is off by orders of magnitude)
+    assert rel_err(out, y) < (3e-2 if silu_mul else 1e-2)
+
+
 def test_reference_scales_activations_per_token():
     x, w = torch.randn(20, 64), torch.randn(30, 64)
     q, scale = quantize_rows(w)
@@ -148,18 +180,23 @@ def test_fp8_quality_on_real_text(smollm_llm, smollm_gguf):
     assert 1.0 < fp8_ppl / dense_ppl < 1.05
 
 
-def test_activation_quantization_kernel():
+@pytest.mark.parametrize("norm", [False, True])
+def test_activation_quantization_kernel(norm):
     """The Triton per-row quantizer (interpreter on CPU) against `quantize_rows`: the same scales, and values
     within one e4m3 step. The interpreter's float32 -> e4m3 conversion rounds otherwise than the GPU's instruction
     and fails where rounding carries into the next power of two (125.4 -> 64 instead of 128): those may differ
     here, and only that way. (On an H100 the scales are bitwise equal and the values not all: Triton's float32
     division is not IEEE-exact, docs/kernel-notes.md.)"""
+    from flashpage.kernels.norm import rms_norm
     from flashpage.kernels.quantize import quantize_rows as kernel
 
     x = torch.randn(6, 3000, dtype=torch.bfloat16) * torch.logspace(-2, 2, 6, dtype=torch.bfloat16)[:, None]
     x[4] = 0
-    q, scale = (t.cpu() for t in kernel(x.to(DEVICE)))
-    q_ref, scale_ref = (t.cpu() for t in quantize_rows(x.to(DEVICE)))
+    norm_weight = torch.rand(3000, dtype=torch.bfloat16) + 0.5 if norm else None  # the RMSNorm in the same kernel
+    q, scale = (t.cpu() for t in kernel(x.to(DEVICE), norm_weight if norm_weight is None else norm_weight.to(DEVICE), 1e-6))
+    # with the norm: of the norm kernel's rows (which the interpreter rounds otherwise than PyTorch)
+    q_ref, scale_ref = (t.cpu() for t in quantize_rows(rms_norm(x.to(DEVICE), norm_weight.to(DEVICE), 1e-6)
+                                                       if norm else x.to(DEVICE)))
     assert torch.equal(scale, scale_ref)
     a, b = q.float(), q_ref.float()
     assert interpreter_e4m3_agrees(a, b).all() and (a == b).float().mean() > 0.8

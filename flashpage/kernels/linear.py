@@ -33,20 +33,30 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.attention import exact_cast, tile_dot
+from flashpage.kernels.fp8 import FP8
+from flashpage.kernels.quantize import quantize_rows
 
 MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
 
 @triton.jit
 def _linear_kernel(
-    X, W, WScale, Bias, Residual, Out,
+    X, XScale, W, WScale, Bias, Residual, Out,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
-    SILU_MUL: tl.constexpr, FP8_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    SILU_MUL: tl.constexpr, FP8_WEIGHT: tl.constexpr, FP8_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Programs that run together take neighbouring row tiles of the same output features, so a weight tile is
+    # read from memory once and from L2 by the rest of its group (Triton's matmul tutorial's grouped order).
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = pid // group * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    rows = (first_m + pid % group % group_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % group // group_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N  # N counts output features: with SILU_MUL, the weight has 2N rows
     kk = tl.arange(0, BLOCK_K)
     x_rows = X + rows[:, None].to(tl.int64) * stride_xm
@@ -62,6 +72,10 @@ def _linear_kernel(
         if SILU_MUL:
             up = exact_cast(tl.load(w_rows + N * stride_wn + k[None, :], mask=w_ok, other=0.0), x.dtype)
             acc_up += tile_dot(x, tl.trans(up), UPCAST)
+    if FP8_INPUT:  # e4m3 rows with one scale each (and e4m3 weights): FP8 tensor-core products
+        x_scale = tl.load(XScale + rows, mask=row_ok, other=0.0)[:, None]
+        acc *= x_scale
+        acc_up *= x_scale
     if FP8_WEIGHT:
         acc *= tl.load(WScale + cols, mask=col_ok, other=0.0)[None, :]
         if SILU_MUL:
@@ -71,9 +85,9 @@ def _linear_kernel(
         if SILU_MUL:
             acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:  # rounded like the unfused path: gate and up in the model dtype, then silu(gate), then the product
-        gate = acc.to(X.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(X.dtype.element_ty).to(tl.float32)
-        acc = act * acc_up.to(X.dtype.element_ty).to(tl.float32)
+        gate = acc.to(Out.dtype.element_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(Out.dtype.element_ty).to(tl.float32)
     out_ok = row_ok[:, None] & col_ok[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=out_ok,
@@ -110,7 +124,28 @@ def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out
     return _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles)
 
 
-def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles):
+def fp8_linear(x, weight, weight_scale, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None,
+               out_dtype=None, tiles=None):
+    """x [M, K] (16-bit) @ (e4m3 weight [N, K] * weight_scale [N]).T on FP8 tensor cores: x (or rms_norm(x,
+    norm_weight, eps)) quantized per row by `quantize_rows`, then this module's kernel with skinny_linear's
+    epilogues. [M, N] (or [M, N / 2]) in x's dtype or `out_dtype`. `tiles` overrides (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages)."""
+    xq, x_scale = quantize_rows(x, norm_weight, eps)
+    return _linear(xq, weight, bias, silu_mul, residual, out_dtype or x.dtype, weight_scale,
+                   tiles or _fp8_tiles(x.shape[0], silu_mul), x_scale)
+
+
+def _fp8_tiles(m: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for FP8 products of m rows: the fastest of a sweep over
+    llama-3-8b's projections on an H100 (docs/kernel-notes.md)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return (32, 32, 64, 4, 2)
+    if silu_mul:
+        return (64, 64, 128, 4, 4) if m <= 64 else (128, 128, 128, 8, 4)
+    return (64, 64, 256, 4, 3) if m <= 128 else (64, 64, 128, 4, 4)
+
+
+def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles, x_scale=None):
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -124,11 +159,13 @@ def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles)
     block_m, block_n, block_k, warps, stages = tiles
     res = residual if residual is not None else out
     unused = weight  # stands in for the optional pointers the variant does not read
-    _linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x, weight, unused if weight_scale is None else weight_scale, unused if bias is None else bias, res, out, m, n,
-        k, x.stride(0), weight.stride(0), res.stride(0), out.stride(0), SILU_MUL=silu_mul,
-        FP8_WEIGHT=weight_scale is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _linear_kernel[grid](
+        x, unused if x_scale is None else x_scale, weight, unused if weight_scale is None else weight_scale,
+        unused if bias is None else bias, res, out, m, n, k, x.stride(0), weight.stride(0), res.stride(0),
+        out.stride(0), SILU_MUL=silu_mul, FP8_WEIGHT=weight_scale is not None, FP8_INPUT=x_scale is not None,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, GROUP_M=8,
+        UPCAST=x.dtype in (torch.bfloat16, FP8) and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)
     return out

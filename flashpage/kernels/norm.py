@@ -8,15 +8,21 @@ import triton.language as tl
 
 
 @triton.jit
+def rms_normalize(h, Weight, cols, ok, n_cols, eps, dtype):
+    """One row h (float32, zero past n_cols) normalised and scaled, rounded to `dtype` where the model rounds."""
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
+    h = h.to(dtype).to(tl.float32)
+    return (tl.load(Weight + cols, mask=ok, other=0.0).to(tl.float32) * h).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(X, Weight, Out, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     h = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, 0) / n_cols + eps)
-    h = h.to(Out.dtype.element_ty).to(tl.float32)
-    w = tl.load(Weight + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (w * h).to(Out.dtype.element_ty), mask=ok)
+    tl.store(Out + row * stride_o + cols, rms_normalize(h, Weight, cols, ok, n_cols, eps, Out.dtype.element_ty),
+             mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
