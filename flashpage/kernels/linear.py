@@ -39,7 +39,9 @@ from flashpage.kernels.quantize import quantize_rows
 MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
 
-@triton.jit
+# M unspecialised: an eager step of a new row count (a prompt's last chunk, say) must not compile the kernel again
+# while serving; specialising it (1, multiples of 16) was not measured to matter.
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     X, XScale, W, WScale, Bias, Residual, Out,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
