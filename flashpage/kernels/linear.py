@@ -39,25 +39,18 @@ from flashpage.kernels.quantize import quantize_rows
 MAX_ROWS = 16  # the kernel's row tile (the smallest tensor-core tile)
 
 
-# M unspecialised: an eager step of a new row count (a prompt's last chunk, say) must not compile the kernel again
-# while serving; specialising it (1, multiples of 16) was not measured to matter.
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _linear_kernel(
     X, XScale, W, WScale, Bias, Residual, Out,
     M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
     SILU_MUL: tl.constexpr, FP8_WEIGHT: tl.constexpr, FP8_INPUT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    # Programs that run together take neighbouring row tiles of the same output features, so a weight tile is
-    # read from memory once and from L2 by the rest of its group (Triton's matmul tutorial's grouped order).
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = pid // group * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    rows = (first_m + pid % group % group_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % group // group_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Row tiles are the grid's first axis, so the programs that run together take all row tiles of the same output
+    # features: a weight tile is read from memory once and from L2 by the rest.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N  # N counts output features: with SILU_MUL, the weight has 2N rows
     kk = tl.arange(0, BLOCK_K)
@@ -161,13 +154,13 @@ def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles,
     block_m, block_n, block_k, warps, stages = tiles
     res = residual if residual is not None else out
     unused = weight  # stands in for the optional pointers the variant does not read
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _linear_kernel[grid](
         x, unused if x_scale is None else x_scale, weight, unused if weight_scale is None else weight_scale,
         unused if bias is None else bias, res, out, m, n, k, x.stride(0), weight.stride(0), res.stride(0),
         out.stride(0), SILU_MUL=silu_mul, FP8_WEIGHT=weight_scale is not None, FP8_INPUT=x_scale is not None,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, GROUP_M=8,
+        BLOCK_K=block_k,
         UPCAST=x.dtype in (torch.bfloat16, FP8) and os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=warps, num_stages=stages)
     return out
