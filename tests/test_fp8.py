@@ -89,7 +89,10 @@ def test_reference_scales_activations_per_token():
     expected = (xq.double() * x_scale.double()[:, None]) @ (q.double() * scale.double()[:, None]).t()
     out = reference.linear(x, q, weight_scale=scale)
     assert rel_err(out, expected) < 1e-6
-    assert rel_err(out, x.double() @ w.double().t()) < 0.06  # what the two roundings cost
+    # What the two roundings cost, over the whole product: about 3.5% (at most 4.2% over 3,000 seeds). (The
+    # largest row's error, the check before, passed 0.06 in 6% of draws.)
+    exact = x.double() @ w.double().t()
+    assert (out.double() - exact).norm() / exact.norm() < 0.05
 
 
 def _logits(llm: LLM, prompts) -> torch.Tensor:
