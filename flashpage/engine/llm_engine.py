@@ -187,16 +187,23 @@ class LLMEngine:
         """Serve a few short requests so that the kernels real requests need are compiled before they come (a
         server's first prefill otherwise waits seconds for Triton: 8 s on an H100 for llama-3-8b), and on a CPU
         the weights packed (kernels/cpu.py: 1.2 s for SmolLM2). Triton compiles a kernel again for integer
-        arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of
-        16 tokens, then 3 of 23 tokens in all beside those 16 decoding, then one whose first block is cached
-        (prefill after a prefix). Greedy and sampled draws, with log-probs. A request the engine could never serve
-        (a tiny context or cache) is left out. Leaves their prompts in the prefix cache, nothing else."""
+        arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of 16 tokens, then 3 of 23
+        tokens in all beside those 16 decoding, then one whose first block is cached (prefill after a prefix);
+        then, each alone in its step, prompts of 100 and 150 tokens, the other row classes of the FP8 linear
+        kernel's tiles (kernels/linear.py; the decode graphs cover the multiples of 16). Greedy and sampled draws,
+        with log-probs. A request the engine could never serve (a tiny context or cache) is left out. Leaves their
+        prompts in the prefix cache, nothing else."""
         vocab, limit = self.config.vocab_size, self.max_model_len
 
         def prompt(i: int, n: int) -> list[int]:
             return [(101 + 7 * j + 13 * i) % vocab for j in range(min(n, limit - 1))]
-        waves = [[prompt(i, 16) for i in range(16)], [prompt(16, 17), prompt(17, 5), prompt(18, 1)], [prompt(0, 33)]]
+        waves = [[prompt(i, 16) for i in range(16)], [prompt(16, 17), prompt(17, 5), prompt(18, 1)], [prompt(0, 33)],
+                 None, [prompt(19, 100)], None, [prompt(20, 150)]]  # None: finish what runs first
         for w, prompts in enumerate(waves):
+            if prompts is None:
+                while self.has_unfinished_requests():
+                    self.step()
+                continue
             for i, ids in enumerate(prompts):
                 sampled = i % 2 == 1
                 params = SamplingParams(max_tokens=min(3, limit - len(ids)), ignore_eos=True, seed=i,
