@@ -131,7 +131,13 @@ def test_a_dead_engine_process_fails_open_requests_and_refuses_new_ones():
 
 def test_warm_up_leaves_the_engine_idle_and_serving():
     engine = LLMEngine(EngineConfig.from_settings(**SETTINGS, max_num_seqs=8))
+    step, tokens = engine.runner.step, []
+    engine.runner.step = lambda plan, *a: tokens.append(sum(len(s.token_ids) for s in plan.seqs)) or step(plan, *a)
     engine.warm_up()
+    engine.runner.step = step
+    # the prompts of 100 and 150 tokens each alone in its step (the FP8 kernel's row classes; the second one cut
+    # to this context of 128)
+    assert {100, 127} <= set(tokens)
     s = engine.stats()
     assert s["num_running"] == s["num_waiting"] == s["kv_slots_allocated"] == 0 and not engine.requests
     assert s["prefix_cache_hits"] > 0  # (its last wave's prompt began with a cached block)

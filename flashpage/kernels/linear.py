@@ -9,12 +9,15 @@ that come after each projection of a decoder layer, without adding work to the l
 - bias, the residual add (one rounding, as torch.addmm), and the output dtype (float32 logits from the LM head);
 - FP8 (e4m3) weights with one scale per output feature: a tile is converted to the activations' dtype in
   registers (by way of float32, which an H100 does faster than e4m3 -> bf16 directly) and the scales multiply the
-  float32 sums, so the loop streams half the bytes of a 16-bit weight.
+  float32 sums, so the loop streams half the bytes of a 16-bit weight;
+- FP8 activations too (`fp8_linear`, for FP8 layers past the decode rows, up to a couple of hundred rows): e4m3
+  rows quantized beforehand with one scale each (`flashpage.kernels.quantize`, the RMSNorm in the same pass),
+  multiplied by the e4m3 weight on the FP8 tensor cores, both scales applied to the float32 sums.
 The RMSNorm before a projection stays a kernel of its own: each program would have to read the whole input rows
 before its first product, and that costs more than the launch it saves (measured: docs/kernel-notes.md).
 A program owns BLOCK_N output features of BLOCK_M rows and walks all of K (no split-K, no atomics). At decode
 sizes the rows are padded to one tensor-core tile (16) and one program column covers them; larger batches are
-compute-shaped and go to cuBLAS (`flashpage.kernels.triton_ops.linear` chooses). `invariant_linear` runs the
+compute-shaped and go to cuBLAS, FP8 ones first to `fp8_linear` (`flashpage.kernels.triton_ops.linear` chooses). `invariant_linear` runs the
 kernel at every size: the deterministic mode's linear layers (cuBLAS picks its algorithm, and split-K, by the
 shape, so a row's sums depend on how many rows came with it). With 16-bit inputs the tensor cores sum each output
 over K in the same order for every tile shape, 16 at a time from k = 0, so the kernel may pick its tiles by the
