@@ -54,7 +54,8 @@ def test_decode_linear_streams_fp8_weights(silu_mul):
 def test_fp8_linear_above_decode_rows(silu_mul, norm):
     """Past 16 rows an FP8 projection quantizes its activations per token (the RMSNorm in the same kernel) and
     multiplies e4m3 by e4m3 in Triton with the epilogues fused (interpreter on CPU; odd sizes, two row tiles):
-    against float64 arithmetic on the kernel's own quantized activations, and the reference quantizer's scales."""
+    against float64 arithmetic on the kernel's own quantized activations, whose scales are checked against the
+    reference quantizer's of the norm kernel's rows."""
     from flashpage.kernels import triton_ops
     from flashpage.kernels.norm import rms_norm
     from flashpage.kernels.quantize import quantize_rows as kernel
@@ -195,11 +196,11 @@ def test_activation_quantization_kernel(norm):
 
     x = torch.randn(6, 3000, dtype=torch.bfloat16) * torch.logspace(-2, 2, 6, dtype=torch.bfloat16)[:, None]
     x[4] = 0
-    norm_weight = torch.rand(3000, dtype=torch.bfloat16) + 0.5 if norm else None  # the RMSNorm in the same kernel
-    q, scale = (t.cpu() for t in kernel(x.to(DEVICE), norm_weight if norm_weight is None else norm_weight.to(DEVICE), 1e-6))
+    x = x.to(DEVICE)
+    norm_weight = torch.rand(3000, dtype=torch.bfloat16, device=DEVICE) + 0.5 if norm else None  # (in the kernel)
+    q, scale = (t.cpu() for t in kernel(x, norm_weight, 1e-6))
     # with the norm: of the norm kernel's rows (which the interpreter rounds otherwise than PyTorch)
-    q_ref, scale_ref = (t.cpu() for t in quantize_rows(rms_norm(x.to(DEVICE), norm_weight.to(DEVICE), 1e-6)
-                                                       if norm else x.to(DEVICE)))
+    q_ref, scale_ref = (t.cpu() for t in quantize_rows(rms_norm(x, norm_weight, 1e-6) if norm else x))
     assert torch.equal(scale, scale_ref)
     a, b = q.float(), q_ref.float()
     assert interpreter_e4m3_agrees(a, b).all() and (a == b).float().mean() > 0.8
