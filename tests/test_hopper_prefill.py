@@ -92,12 +92,19 @@ def test_varlen_and_paged_prefill(dim, hq, hkv):
     assert served == (dim in (64, 128))  # other head dims take the portable kernel
     for page in (16, 64):  # chunks at the end of their sequences, a sequence with no query in the batch
         check([0, 1000, 700, 17, 1], [40, 1000, 3000, 17, 33], hq, hkv, dim, page=page)
+        check([0, 300, 17, 1], [40, 300, 17, 33], hq, hkv, dim, page=page)  # short: persistent programs
+
+
+def test_short_and_long_items_take_their_own_schedules():
+    """The checks above cover both schedules only if the rule splits them as they assume."""
+    assert hopper_prefill.short_items(1000, 1000, True) and hopper_prefill.short_items(300, 320, True)
+    assert not hopper_prefill.short_items(1000, 3008, True) and not hopper_prefill.short_items(800, 800, False)
 
 
 @pytest.mark.parametrize("dim", [64, 128])
 def test_windows_and_non_causal(dim):
     check([1, 17, 300, 1000], [1, 17, 300, 1000], 32, 8, dim, window=(64, 0))
-    check([5, 300, 700], [5, 300, 700], 32, 8, dim, causal=False)
+    check([5, 300, 900], [5, 300, 900], 32, 8, dim, causal=False)
     check([5, 300, 700], [5, 300, 700], 32, 8, dim, causal=False, window=(100, 30))
     check([0, 500, 129], [40, 1500, 129], 28, 4, dim, window=(200, 0), page=16)
 

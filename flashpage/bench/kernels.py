@@ -42,7 +42,9 @@ from flashpage.kv import KV_CACHE_DTYPES, KVCache
 HQ, HKV, D = 32, 8, 128
 PREFILL_TOKENS = 16384
 PREFILL_S = [1024, 2048, 4096, 8192, 16384]
-PAGED_PREFILL = [(8192, 32768), (8192, 8192), (2048, 4096)]  # (queries, keys): a chunk at the end of its sequence
+# (queries, keys, sequences): a chunk at the end of each sequence; the last three are short prompts, as a batch of
+# them reaches the paged prefill
+PAGED_PREFILL = [(8192, 32768, 1), (8192, 8192, 1), (2048, 4096, 1), (1024, 1024, 16), (512, 512, 32), (512, 1024, 16)]
 DECODE = [(1, 32768), (8, 8192), (64, 4096), (256, 1024)]
 BLOCK = 16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -137,23 +139,24 @@ def bench_prefill(seq_len: int, tiles=None) -> dict:
             "unit": "TFLOP/s", "peers_ms": peers | fi, "portable_ms": portable, "peer_output_diff": diffs}
 
 
-def bench_paged_prefill(q_len: int, k_len: int) -> dict:
-    """q_len queries at the end of one k_len-token sequence in a paged cache, its blocks shuffled."""
+def bench_paged_prefill(q_len: int, k_len: int, batch: int = 1) -> dict:
+    """q_len queries at the end of each of `batch` k_len-token sequences in a paged cache, its blocks shuffled."""
     blocks = k_len // BLOCK
-    k_cache = torch.randn(blocks + 7, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(batch * blocks + 7, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(blocks + 7, device="cuda")[:blocks].to(torch.int32).view(1, blocks)
-    q = torch.randn(q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
-    lens = torch.tensor([k_len], device="cuda", dtype=torch.int32)
+    table = torch.randperm(batch * blocks + 7, device="cuda")[:batch * blocks].to(torch.int32).view(batch, blocks)
+    q = torch.randn(batch * q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32)
+    lens = torch.full((batch, ), k_len, device="cuda", dtype=torch.int32)
     cache, out = KVCache(k_cache, v_cache), torch.empty_like(q)
     ours = median_ms(lambda: paged_attention(q, cache, table, cu, lens, q_len, out=out))
     portable = median_ms(lambda: paged_attention(q, cache, table, cu, lens, q_len,
                                                  tiles=attn._tiles(D, q_len, HQ // HKV, False, BLOCK)))
     fi, diffs = flashinfer_times({f"flashinfer-{b}": lambda b=b: flashinfer_peer.paged_prefill(
         q, k_cache, v_cache, table, cu, lens, b) for b in ("fa3", "fa2")}, out)
-    flops = causal_flops(q_len, k_len)
-    return {"kind": "paged prefill", "shape": f"{q_len // 1024}k of {k_len // 1024}k", "ms": ours,
+    flops = batch * causal_flops(q_len, k_len)
+    shape = f"{q_len // 1024}k of {k_len // 1024}k" if q_len >= 1024 else f"{q_len} of {k_len}"
+    return {"kind": "paged prefill", "shape": shape + (f" x{batch}" if batch > 1 else ""), "ms": ours,
             "rate": flops / ours / 1e9, "unit": "TFLOP/s", "peers_ms": fi, "portable_ms": portable,
             "peer_output_diff": diffs}
 
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep(args.kv_cache_dtype)
     rows = [] if args.only_sparse else ([bench_prefill(s) for s in PREFILL_S] +
-                                        [bench_paged_prefill(q, k) for q, k in PAGED_PREFILL] +
+                                        [bench_paged_prefill(*shape) for shape in PAGED_PREFILL] +
                                         [bench_decode(b, c) for b, c in DECODE])
     print(f"\n{'kernel':13s} {'shape':14s} {'ms':>8s} {'rate':>14s} {'of ceiling':>10s} {'best peer':>22s} {'speedup':>8s}")
     for r in rows:

@@ -375,12 +375,12 @@ def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
     return (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
 
 
-def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, causal, softmax_scale, window_size,
-            num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False, scales=None,
-            tree_mask=None, block_sparse=None):
-    """`scales`: a quantized cache's (k_scale, v_scale), per KV head (FP8) or per slot and KV head (INT8).
-    `tree_mask`: per query row, the bits of its sequence's queries it sees; `block_sparse`: a BlockSparsePattern
-    (paged_attention)."""
+def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            window_size, num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False,
+            scales=None, tree_mask=None, block_sparse=None):
+    """`max_seqlen_k`: None for a paged cache. `scales`: a quantized cache's (k_scale, v_scale), per KV head (FP8)
+    or per slot and KV head (INT8). `tree_mask`: per query row, the bits of its sequence's queries it sees;
+    `block_sparse`: a BlockSparsePattern (paged_attention)."""
     total_q, hq, dim = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
@@ -393,7 +393,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, cau
             and num_splits == 1 and max_seqlen_q * group > 16 and not interpret
             and hopper_prefill.serves(q, k, v, page_size if paged else None)):
         return hopper_prefill.prefill(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table if paged else None,
-                                      max_seqlen_q, causal=causal, sm_scale_log2=scale, window_size=window_size)
+                                      max_seqlen_q, max_seqlen_k, causal=causal, sm_scale_log2=scale,
+                                      window_size=window_size)
     # Decode reads pages through the copy engine: each program keeps several pages in flight. Its tiles are at most
     # one page, and a tile feeds tl.dot, which needs 16 keys or more.
     tma = (not batch_invariant and paged and max_seqlen_q * group <= 16 and page_size >= 16
@@ -462,8 +463,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     tile masked)."""
     _check(q, k, v, window_size)
     out = torch.empty_like(q) if out is None else out
-    return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, causal, softmax_scale,
-                   window_size, 1, paged=False, page_size=1, tiles=tiles, batch_invariant=batch_invariant)
+    return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, max_seqlen_k, causal,
+                   softmax_scale, window_size, 1, paged=False, page_size=1, tiles=tiles,
+                   batch_invariant=batch_invariant)
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
@@ -500,8 +502,8 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
     scales = None if kv_cache.k_scale is None else (kv_cache.k_scale, kv_cache.v_scale)
-    return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, causal,
-                   softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles,
+    return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, None,
+                   causal, softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles,
                    batch_invariant=batch_invariant, scales=scales, tree_mask=query_mask, block_sparse=block_sparse)
 
 

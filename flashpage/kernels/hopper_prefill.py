@@ -35,6 +35,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashpage.kernels.device import sm_count
+
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, BlockTable, seq, stride_bt, start, k_start, k_len,
@@ -122,28 +124,86 @@ def _wait_turn(turn, j, WG: gl.constexpr):
 
 
 @gluon.jit
-def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
-             BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles, sm_scale_log2,
-             window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
-             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
-    """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it. (Its arguments
-    are the consumers': warp_specialize's workers share one signature.)"""
-    for i in range(n_tiles):
-        slot = i % STAGES
-        mbarrier.wait(kv_empty.index(slot), ((i // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
-        _issue_kv(k_desc, v_desc, k_smem.index(slot), v_smem.index(slot), k_ready.index(slot), v_ready.index(slot),
-                  BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start, k_len, kv_head * HEAD_DIM, PAGED,
-                  PAGE_SIZE, BLOCK_N)
+def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t: one row tile of one (sequence, KV head). Items are numbered row tile fastest, so a (sequence,
+    KV head)'s row tiles start together on neighbouring SMs and read its K/V while it is in L2; causal row tiles
+    further down see more keys and come first, so the short ones fill the tail. Returns the item's sequence, KV
+    head, first row, query and key spans, its keys [lo, hi) (lo_key: the first a window lets in), its key tiles,
+    and whether it has any rows (a row tile past its sequence's queries has none)."""
+    m = t % n_m
+    pid_m = n_m - 1 - m if CAUSAL else m
+    kv_head = (t // n_m) % n_kv
+    seq = t // (n_m * n_kv)
+    q_start = gl.load(CuSeqlensQ + seq)
+    q_len = gl.load(CuSeqlensQ + seq + 1) - q_start
+    if PAGED:
+        k_start = 0
+        k_len = gl.load(SeqLensK + seq)
+    else:
+        k_start = gl.load(CuSeqlensK + seq)
+        k_len = gl.load(CuSeqlensK + seq + 1) - k_start
+    row0 = pid_m * BLOCK_M
+    first_pos = k_len - q_len + row0 // GROUP
+    last_pos = gl.minimum(k_len - q_len + (row0 + BLOCK_M - 1) // GROUP, k_len - 1)
+    lo = 0
+    hi = k_len
+    if CAUSAL:
+        hi = gl.minimum(hi, last_pos + 1)
+    if window_right >= 0:
+        hi = gl.minimum(hi, last_pos + window_right + 1)
+    lo_key = 0
+    if window_left >= 0:
+        lo_key = gl.maximum(0, first_pos - window_left)
+        lo = (lo_key // BLOCK_N) * BLOCK_N
+    n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
+    return seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, lo_key, n_tiles, row0 < q_len * GROUP
 
 
 @gluon.jit
-def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
-                 BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles, sm_scale_log2,
-                 window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
-    """A consumer warpgroup: ROWS rows from row0 over the program's key tiles [lo, hi), written to Out."""
+def _gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              ROWS: gl.constexpr):
+    """Load ROWS rows of Q from row0 (zeros past the sequence) into registers."""
+    layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    return gl.load(Q + _row_offsets(rows, d, q_start, kv_head, stride_qt, stride_qh, GROUP),
+                   mask=(rows < q_len * GROUP)[:, None], other=0.0)
+
+
+@gluon.jit
+def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
+             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, sm_scale_log2, window_left,
+             window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it, running on into
+    the program's next work item while the consumers finish one. (Its arguments are the consumers':
+    warp_specialize's workers share one signature.)"""
+    tile = 0  # key tiles issued so far, over all of the program's items: the ring's position
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, lo_key, n_tiles, has_rows = _work_item(
+            t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
+            PAGED, CAUSAL)
+        if has_rows:
+            for i in range(n_tiles):
+                slot = (tile + i) % STAGES
+                # a fresh barrier counts as released
+                mbarrier.wait(kv_empty.index(slot), (((tile + i) // STAGES) & 1) ^ 1)
+                _issue_kv(k_desc, v_desc, k_smem.index(slot), v_smem.index(slot), k_ready.index(slot),
+                          v_ready.index(slot), BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start, k_len,
+                          kv_head * HEAD_DIM, PAGED, PAGE_SIZE, BLOCK_N)
+            tile += n_tiles
+
+
+@gluon.jit
+def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start, q_len,
+                 k_len, kv_head, lo, hi, lo_key, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
+                 stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
+                 WG: gl.constexpr):
+    """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
+    to Out. `tile` counts the ring's tiles before this item, `rnd` the tensor-core turns."""
     # wgmma layouts: one 16-row slice per warp; S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM], and P is S's
     # registers reused as O's left operand.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -151,16 +211,7 @@ def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, tur
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = Q.dtype.element_ty
-
-    q_layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(Q + _row_offsets(rows, d, q_start, kv_head, stride_qt, stride_qh, GROUP),
-                mask=(rows < q_len * GROUP)[:, None], other=0.0)
-    q_smem.store(q)
-    gl.thread_barrier()
-    fence_async_shared()  # the tensor cores read shared memory through the async proxy
+    dtype: gl.constexpr = q_smem.dtype
 
     # Tiles wholly below every row's diagonal need no mask; with a window, every tile is masked.
     first_pos = k_len - q_len + row0 // GROUP
@@ -175,10 +226,10 @@ def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, tur
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
     # The first tile's scores and probabilities, before the pipelined loop.
-    mbarrier.wait(k_ready.index(0), 0)
-    _wait_turn(turn, 0, WG)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout), use_acc=False,
-                      is_async=True)
+    mbarrier.wait(k_ready.index(tile % STAGES), (tile // STAGES) & 1)
+    _wait_turn(turn, rnd, WG)
+    s = warpgroup_mma(q_smem, k_smem.index(tile % STAGES).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
+                      use_acc=False, is_async=True)
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     s = warpgroup_mma_wait(0, deps=(s, ))
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, q_pos, lo_key, hi, lo + BLOCK_N > unmasked_hi,
@@ -186,13 +237,13 @@ def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, tur
     # Tile i: rescale what tiles before it summed, then send its P V and tile i + 1's scores to the tensor cores
     # together, and run tile i + 1's softmax while P V is still being multiplied.
     for i in range(0, n_tiles - 1):
-        slot = i % STAGES
-        nslot = (i + 1) % STAGES
+        slot = (tile + i) % STAGES
+        nslot = (tile + i + 1) % STAGES
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(k_ready.index(nslot), ((i + 1) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(slot), (i // STAGES) & 1)
-        _wait_turn(turn, i + 1, WG)
+        mbarrier.wait(k_ready.index(nslot), ((tile + i + 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(slot), ((tile + i) // STAGES) & 1)
+        _wait_turn(turn, rnd + i + 1, WG)
         s = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
                           use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
@@ -203,18 +254,19 @@ def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, tur
                                            sm_scale_log2, window_left, window_right, CAUSAL, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(slot), count=1)  # this warpgroup is done with the slot
-    last = n_tiles - 1
+    last = tile + n_tiles - 1
     slot = last % STAGES
     mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
     if PAGED:  # a cache's slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
         # (both consumers zero the same rows of the last tile, writing the same values)
-        _zero_rows_from(v_smem.index(slot), k_len - (lo + last * BLOCK_N), BLOCK_N, HEAD_DIM, 4)
+        _zero_rows_from(v_smem.index(slot), k_len - (lo + (n_tiles - 1) * BLOCK_N), BLOCK_N, HEAD_DIM, 4)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    _wait_turn(turn, n_tiles, WG)
+    _wait_turn(turn, rnd + n_tiles, WG)
     acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(kv_empty.index(slot), count=1)  # for the program's next item
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
@@ -224,45 +276,44 @@ def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, tur
              out.to(Out.dtype.element_ty), mask=(out_rows < q_len * GROUP)[:, None])
 
 
-# The block table's row stride is its width, the longest sequence of the step in pages: specialised (1, a multiple
-# of 16, other) it would compile the kernel again while serving, for seconds, whenever a step's width changes class.
-@gluon.jit(do_not_specialize=["stride_bt"])
-def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable,
+@gluon.jit
+def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
+             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, sm_scale_log2, window_left,
+             window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items."""
+    tile = 0  # key tiles consumed so far, over all of the program's items: the ring's position
+    rnd = 0  # turns at the tensor cores so far (an item takes n_tiles + 1)
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, lo_key, n_tiles, has_rows = _work_item(
+            t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
+            PAGED, CAUSAL)
+        if has_rows:
+            row0 = row0 + WG * ROWS
+            # (the previous item's products, which read q_smem, have all completed)
+            q_smem.store(_gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS))
+            gl.thread_barrier()
+            fence_async_shared()  # the tensor cores read shared memory through the async proxy
+            _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start,
+                         q_len, k_len, kv_head, lo, hi, lo_key, n_tiles, tile, rnd, sm_scale_log2, window_left,
+                         window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL,
+                         WG)
+            tile += n_tiles
+            rnd += n_tiles + 1
+
+
+# The block table's row stride is its width, the longest sequence of the step in pages; the work items' count and
+# row tiles per sequence follow the step's shape: specialised (1, a multiple of 16, other) they would compile the
+# kernel again while serving, for seconds, whenever one of them changes class.
+@gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
+def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr):
-    """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp."""
-    # Causal row tiles further down see more keys: launch those first so the short ones fill the tail.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    kv_head = gl.program_id(1)
-    seq = gl.program_id(2)
-    q_start = gl.load(CuSeqlensQ + seq)
-    q_len = gl.load(CuSeqlensQ + seq + 1) - q_start
-    if pid_m * BLOCK_M >= q_len * GROUP:  # a row tile past this sequence's queries
-        return
-    if PAGED:
-        k_start = 0
-        k_len = gl.load(SeqLensK + seq)
-    else:
-        k_start = gl.load(CuSeqlensK + seq)
-        k_len = gl.load(CuSeqlensK + seq + 1) - k_start
-
-    # The keys any row of this program can see: [lo, hi) (both consumers walk all of it).
-    first_pos = k_len - q_len + (pid_m * BLOCK_M) // GROUP
-    last_pos = gl.minimum(k_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, k_len - 1)
-    lo = 0
-    hi = k_len
-    if CAUSAL:
-        hi = gl.minimum(hi, last_pos + 1)
-    if window_right >= 0:
-        hi = gl.minimum(hi, last_pos + window_right + 1)
-    lo_key = 0
-    if window_left >= 0:
-        lo_key = gl.maximum(0, first_pos - window_left)
-        lo = (lo_key // BLOCK_N) * BLOCK_N
-    n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
-
+    """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
+    program takes work items program_id, program_id + num_programs, ... (_work_item)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], k_desc.layout)
@@ -279,23 +330,19 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
 
-    row0 = pid_m * BLOCK_M
     # every partition takes the same arguments (a worker's signature must match the others'), written out:
     # constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
-        (_attend_rows, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
-                        turns.index(1), k_desc, v_desc,
-                        BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles,
-                        sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                        stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
-        (_attend_rows, (Q, Out, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
-                        turns.index(0), k_desc, v_desc,
-                        BlockTable, seq, row0 + ROWS, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key,
-                        n_tiles, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
-                        stride_oh, stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 1)),
+        (_consume, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
+                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
+                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
+        (_consume, (Q, Out, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
+                    turns.index(0), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
+                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 1)),
         (_load_kv, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
-                    turns.index(1), k_desc, v_desc,
-                    BlockTable, seq, row0, q_start, q_len, k_start, k_len, kv_head, lo, hi, lo_key, n_tiles,
+                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -305,6 +352,19 @@ def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, consumer registers per thread, STAGES): two consumer warpgroups of 64 rows; the K/V
     ring fills what shared memory the Q tile leaves."""
     return (128, 128, 240, 3) if head_dim == 128 else (128, 128, 240, 4)
+
+
+SHORT_ITEM_TILES = (128, 64, 240, 6)  # key tiles of 64 split the little work of short items finer
+
+
+def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
+    """Whether a row tile sees about 768 keys or fewer on average. Then a program's fixed costs (the Q gather,
+    the first tile's copies, the output's store) are a large share of its work, and persistent programs (one
+    per SM, each walking many work items, its producer copying the next item's first tiles while the consumers
+    finish one) hide them; with longer items the static assignment's imbalance costs more than that saves
+    (docs/kernel-notes.md, "Persistent programs for short sequences")."""
+    keys = max_seqlen_k - max_seqlen_q / 2 if causal else max_seqlen_k
+    return keys <= 768
 
 
 @functools.lru_cache
@@ -334,17 +394,22 @@ def _rows(t: torch.Tensor) -> tuple[list[int], list[int]]:
     return [t.numel() // (t.shape[-2] * t.shape[-1]), t.shape[-2] * t.shape[-1]], [t.stride(-3), 1]
 
 
-def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, *, causal,
-            sm_scale_log2, window_size, tiles=None):
+def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, *,
+            causal, sm_scale_log2, window_size, tiles=None, programs=None):
     """Attention of q [total_q, Hq, D] over k/v: packed [total_k, Hkv, D] with cu_seqlens_k, or paged caches
-    [blocks, page, Hkv, D] with seq_lens_k and block_table. Writes `out` [total_q, Hq, D]; `serves` must hold."""
+    [blocks, page, Hkv, D] with seq_lens_k and block_table (max_seqlen_k: None, the table's width stands for
+    it). Writes `out` [total_q, Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent
+    programs; as many as work items: one each) override the choice `short_items` makes."""
     total_q, hq, dim = q.shape
     paged = block_table is not None
     hkv = k.shape[-2]
     batch = cu_seqlens_q.numel() - 1
     if total_q == 0 or batch == 0:
         return out
-    block_m, block_n, regs, stages = tiles or default_tiles(dim)
+    if paged:
+        max_seqlen_k = block_table.shape[1] * k.shape[1]
+    short = short_items(max_seqlen_q, max_seqlen_k, causal)
+    block_m, block_n, regs, stages = tiles or (SHORT_ITEM_TILES if short else default_tiles(dim))
     # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of 24
     maxnreg = (2 * regs + 24) // 3 // 8 * 8
     page = k.shape[1] if paged else block_n
@@ -355,11 +420,13 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gdtype)
     k_desc, v_desc = (TensorDescriptor(t, *_rows(t), [kv_rows, dim], layout) for t in (k, v))
     unused = cu_seqlens_q
-    grid = (triton.cdiv(max_seqlen_q * (hq // hkv), block_m), hkv, batch)
-    _prefill_kernel[grid](
+    n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
+    n_items = n_m * hkv * batch
+    programs = programs or (sm_count(q.device.index or 0) if short else n_items)
+    _prefill_kernel[(min(n_items, programs), )](
         q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
-        seq_lens_k if paged else unused, block_table if paged else unused, sm_scale_log2, window_size[0],
-        window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        seq_lens_k if paged else unused, block_table if paged else unused, n_items, n_m, hkv, sm_scale_log2,
+        window_size[0], window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PAGED=paged,
         PAGE_SIZE=page, CAUSAL=causal, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
