@@ -1,9 +1,10 @@
 """Prefill attention for Hopper GPUs in Gluon: FlashAttention-3's design (docs/kernel-notes.md, "Hopper prefill").
 
 The portable Triton kernel (`flashpage.kernels.attention`) leaves the schedule to the compiler; this one spells it
-out at the level FA3 works at. A program owns BLOCK_M rows of one sequence and one KV head, where a row is a
+out at the level FA3 works at. A work item is BLOCK_M rows of one sequence and one KV head, where a row is a
 (query token, query head of that KV head's group) pair, as in the portable kernel: each K/V tile serves the whole
-GQA group, and a decoding sequence in a mixed step takes one program per KV head, not one per query head.
+GQA group, and a decoding sequence in a mixed step takes one item per KV head, not one per query head. A program
+takes one item, or, when the sequences are short, one program per SM walks many (`short_items`).
 
 - Warp specialisation: a producer warp only issues copies; two consumer warpgroups (BLOCK_M / 2 rows each) only
   compute, with the registers the producer gives up (setmaxnreg).
@@ -20,7 +21,7 @@ k_len - q_len + i.
 
 This is the fast path for what prefill uses (bf16/fp16, head dim 64 or 128, causal or not, windows, a paged or a
 contiguous K/V); everything else (quantized caches, token trees, block-sparse patterns, batch invariance, older
-GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are `tests/gpu/test_hopper_prefill.py`.
+GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are `tests/test_hopper_prefill.py`.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
 
 
 @gluon.jit
-def _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start, q_len,
+def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start, q_len,
                  k_len, kv_head, lo, hi, lo_key, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
                  stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
@@ -295,7 +296,7 @@ def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
             q_smem.store(_gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS))
             gl.thread_barrier()
             fence_async_shared()  # the tensor cores read shared memory through the async proxy
-            _attend_rows(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start,
+            _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start,
                          q_len, k_len, kv_head, lo, hi, lo_key, n_tiles, tile, rnd, sm_scale_log2, window_left,
                          window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL,
                          WG)
