@@ -4,6 +4,7 @@ out equal to the engine's own; load errors reach the caller; a dead engine proce
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -150,3 +151,16 @@ def test_warm_up_leaves_the_engine_idle_and_serving():
         small = LLMEngine(EngineConfig.from_settings(**{**SETTINGS, **tiny}))
         small.warm_up()
         assert not small.requests and small.stats()["kv_slots_allocated"] == 0
+
+
+def test_warm_up_on_a_gpu_also_prefills_a_long_prompt():
+    """(The Hopper prefill's tiles for long items compile then, not at a server's first long prompt.) On a CPU the
+    warm-up stops short of it; the GPU's is simulated by the device name, which only the warm-up reads here."""
+    for device, longest in (("cpu", 150), ("cuda", 2048)):
+        engine = LLMEngine(EngineConfig.from_settings(**{**SETTINGS, "max_model_len": 2100}))
+        engine.cfg = dataclasses.replace(engine.cfg, device=device)
+        step, ends = engine.runner.step, []  # where each step's prompt chunks end
+        engine.runner.step = lambda plan, *a: ends.extend(
+            s.positions[-1] + 1 for s in plan.seqs if len(s.token_ids) > 1) or step(plan, *a)
+        engine.warm_up()
+        assert max(ends) == longest
