@@ -61,19 +61,21 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, BlockTable, seq, str
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start, q_pos, lo_key, hi, masked, sm_scale_log2, window_left, window_right,
-                  CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _softmax_step(s, m_i, l_i, start, q_pos, hi, masked, sm_scale_log2, window_left, window_right,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One key tile's online softmax: the tile's probabilities P (unnormalised), the factor alpha that rescales
     what came before, and the new running max and sum. Scores stay unscaled; the scale folds into exp2's argument."""
     if masked:  # the tile holds keys some rows must not see
         kpos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = (kpos[None, :] < hi) & (kpos[None, :] >= lo_key) & (q_pos[:, None] >= 0)
-        if CAUSAL:
-            visible = visible & (kpos[None, :] <= q_pos[:, None])
-        if window_right >= 0:
-            visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
-        if window_left >= 0:
-            visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+        if CAUSAL:  # key <= q_pos also keeps keys past the sequence and rows past it (q_pos -1) out
+            visible = kpos[None, :] <= q_pos[:, None]
+        else:
+            visible = (kpos[None, :] < hi) & (q_pos[:, None] >= 0)
+        if WINDOW:
+            if window_right >= 0:
+                visible = visible & (kpos[None, :] <= q_pos[:, None] + window_right)
+            if window_left >= 0:
+                visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * sm_scale_log2)  # rows that have seen no key yet
@@ -126,12 +128,14 @@ def _wait_turn(turn, j, WG: gl.constexpr):
 
 @gluon.jit
 def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr):
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr):
     """Work item t: one row tile of one (sequence, KV head). Items are numbered row tile fastest, so a (sequence,
     KV head)'s row tiles start together on neighbouring SMs and read its K/V while it is in L2; causal row tiles
     further down see more keys and come first, so the short ones fill the tail. Returns the item's sequence, KV
-    head, first row, query and key spans, its keys [lo, hi) (lo_key: the first a window lets in), its key tiles,
-    and whether it has any rows (a row tile past its sequence's queries has none)."""
+    head, first row, query and key spans, its keys [lo, hi) (lo at a key tile's start; the mask takes out what a
+    window hides of that tile), its key tiles, and whether it has any rows (a row tile past its sequence's queries
+    has none)."""
     m = t % n_m
     pid_m = n_m - 1 - m if CAUSAL else m
     kv_head = (t // n_m) % n_kv
@@ -151,14 +155,13 @@ def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, wind
     hi = k_len
     if CAUSAL:
         hi = gl.minimum(hi, last_pos + 1)
-    if window_right >= 0:
-        hi = gl.minimum(hi, last_pos + window_right + 1)
-    lo_key = 0
-    if window_left >= 0:
-        lo_key = gl.maximum(0, first_pos - window_left)
-        lo = (lo_key // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        if window_right >= 0:
+            hi = gl.minimum(hi, last_pos + window_right + 1)
+        if window_left >= 0:
+            lo = gl.maximum(0, first_pos - window_left) // BLOCK_N * BLOCK_N
     n_tiles = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 1)
-    return seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, lo_key, n_tiles, row0 < q_len * GROUP
+    return seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, row0 < q_len * GROUP
 
 
 @gluon.jit
@@ -177,15 +180,16 @@ def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
              CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+             WG: gl.constexpr):
     """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it, running on into
     the program's next work item while the consumers finish one. (Its arguments are the consumers':
     warp_specialize's workers share one signature.)"""
     tile = 0  # key tiles issued so far, over all of the program's items: the ring's position
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, lo_key, n_tiles, has_rows = _work_item(
+        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
-            PAGED, CAUSAL)
+            PAGED, CAUSAL, WINDOW)
         if has_rows:
             for i in range(n_tiles):
                 slot = (tile + i) % STAGES
@@ -199,10 +203,10 @@ def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
 
 @gluon.jit
 def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start, q_len,
-                 k_len, kv_head, lo, hi, lo_key, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
+                 k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
                  stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-                 WG: gl.constexpr):
+                 WINDOW: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
     to Out. `tile` counts the ring's tiles before this item, `rnd` the tensor-core turns."""
     # wgmma layouts: one 16-row slice per warp; S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM], and P is S's
@@ -217,7 +221,7 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
     # Tiles wholly below every row's diagonal need no mask; with a window, every tile is masked.
     first_pos = k_len - q_len + row0 // GROUP
     unmasked_hi = lo
-    if window_left < 0 and window_right < 0:
+    if not WINDOW:
         bound = gl.minimum(hi, first_pos + 1) if CAUSAL else hi
         unmasked_hi = gl.maximum(bound, 0) // BLOCK_N * BLOCK_N
     tok = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) // GROUP
@@ -233,8 +237,8 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
                       use_acc=False, is_async=True)
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     s = warpgroup_mma_wait(0, deps=(s, ))
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, q_pos, lo_key, hi, lo + BLOCK_N > unmasked_hi,
-                                       sm_scale_log2, window_left, window_right, CAUSAL, BLOCK_N, s_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, q_pos, hi, lo + BLOCK_N > unmasked_hi,
+                                       sm_scale_log2, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
     # Tile i: rescale what tiles before it summed, then send its P V and tile i + 1's scores to the tensor cores
     # together, and run tile i + 1's softmax while P V is still being multiplied.
     for i in range(0, n_tiles - 1):
@@ -251,8 +255,8 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
         mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
         s = warpgroup_mma_wait(1, deps=(s, ))
         start = lo + (i + 1) * BLOCK_N
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, start, q_pos, lo_key, hi, start + BLOCK_N > unmasked_hi,
-                                           sm_scale_log2, window_left, window_right, CAUSAL, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, start, q_pos, hi, start + BLOCK_N > unmasked_hi,
+                                           sm_scale_log2, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(slot), count=1)  # this warpgroup is done with the slot
     last = tile + n_tiles - 1
@@ -282,14 +286,15 @@ def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
              CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+             WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items."""
     tile = 0  # key tiles consumed so far, over all of the program's items: the ring's position
     rnd = 0  # turns at the tensor cores so far (an item takes n_tiles + 1)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, lo_key, n_tiles, has_rows = _work_item(
+        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
-            PAGED, CAUSAL)
+            PAGED, CAUSAL, WINDOW)
         if has_rows:
             row0 = row0 + WG * ROWS
             # (the previous item's products, which read q_smem, have all completed)
@@ -297,9 +302,9 @@ def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
             gl.thread_barrier()
             fence_async_shared()  # the tensor cores read shared memory through the async proxy
             _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start,
-                         q_len, k_len, kv_head, lo, hi, lo_key, n_tiles, tile, rnd, sm_scale_log2, window_left,
+                         q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
                          window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL,
-                         WG)
+                         WINDOW, WG)
             tile += n_tiles
             rnd += n_tiles + 1
 
@@ -312,7 +317,7 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr):
+                    WINDOW: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
     program takes work items program_id, program_id + num_programs, ... (_work_item)."""
     ROWS: gl.constexpr = BLOCK_M // 2
@@ -337,15 +342,15 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
         (_consume, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
                     turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, 0)),
         (_consume, (Q, Out, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
                     turns.index(0), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 1)),
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, 1)),
         (_load_kv, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
                     turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
                     sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, 0)),
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, 0)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -430,5 +435,6 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         window_size[0], window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PAGED=paged,
-        PAGE_SIZE=page, CAUSAL=causal, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
+        PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
+        CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
     return out
