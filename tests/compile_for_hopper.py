@@ -44,6 +44,7 @@ def main() -> None:
     jit.JITFunction.run = compile_only(jit.JITFunction.run)
     from flashpage.kernels import batch_invariant as inv
     from flashpage.kernels import hopper_prefill
+    from flashpage.kernels.fp8 import quantize_heads
     from flashpage.kernels import triton_ops as tri
     from flashpage.kernels.block_sparse import BlockSparsePattern
     from flashpage.kv import KVCache
@@ -127,14 +128,18 @@ def main() -> None:
         inv.paged_attention(decode[0], KVCache(cache, cache), table, decode[1], lens, 1)
         inv.flash_attn_varlen(q, k, v, cu, cu, 23, 23)
         # the Hopper prefill (Gluon; the GPU dispatch picks it, CPU tensors never do): contiguous and paged K/V
-        # (pages of 16 and of 64 keys), causal or not, with a window or not, head dims 64 and 128, the short items'
-        # tiles and the others
+        # (pages of 16 and of 64 keys), causal or not, with a window or not, FP8, head dims 64 and 128, the short
+        # items' tiles and the others
         for dim in (64, 128):
             q, k = rand(40, 8, dim, dtype=dtype), rand(40, 2, dim, dtype=dtype)
             for tiles in (hopper_prefill.SHORT_ITEM_TILES, hopper_prefill.default_tiles(dim)):
                 for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (7, 0))):
                     hopper_prefill.prefill(q, k, k, torch.empty_like(q), cu, cu, None, None, 23, 23, causal=causal,
                                            sm_scale_log2=0.1, window_size=window, tiles=tiles, programs=4)
+                (q8, q_scale), (k8, k_scale) = quantize_heads(q), quantize_heads(k)  # FP8, its V transposed
+                hopper_prefill.prefill_fp8(q8, k8, k8, q_scale, k_scale, k_scale, torch.empty_like(q), cu, cu, 23, 23,
+                                           causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
+                                           programs=4)
                 for page in (16, 64):
                     pages = rand(8, page, 2, dim, dtype=dtype)
                     hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,

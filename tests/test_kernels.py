@@ -57,6 +57,29 @@ def test_flash_attn_varlen(lens_q, lens_k, hq, hkv, dim, causal, window, dtype):
     assert rel_err(out, expected) < TOL[dtype]
 
 
+def test_fp8_attention_quantizes_each_head_and_stays_close():
+    """fp8=True: q, k, v rounded to e4m3 with one scale per head (a head's largest magnitude maps to 448); off a
+    Hopper GPU the dequantized values go through the same kernel, so the result is that, exactly."""
+    from flashpage.kernels.fp8 import dequantize_heads, quantize_heads
+    x = rand(30, 3, 64, dtype=torch.bfloat16)
+    x[:, 1] = 0
+    x8, scale = quantize_heads(x)
+    assert scale[1] == 1 and scale[0] == x[:, 0].abs().max().float() / 448 and x8.float().abs().amax() == 448
+    assert rel_err(dequantize_heads(x8, scale, torch.float32)[:, ::2], x[:, ::2]) < 0.05 and not x8[:, 1].float().any()
+    lens = [17, 1, 40]
+    q, k, v = rand(sum(lens), 8, 64, dtype=torch.bfloat16), rand(sum(lens), 2, 64, dtype=torch.bfloat16), \
+        rand(sum(lens), 2, 64, dtype=torch.bfloat16) * 3
+    args = (cu(lens), cu(lens), max(lens), max(lens))
+    out = tri.flash_attn_varlen(q, k, v, *args, fp8=True, out=nan_like(q))
+    deq = [dequantize_heads(*quantize_heads(t), torch.bfloat16) for t in (q, k, v)]
+    assert torch.equal(out, tri.flash_attn_varlen(*deq, *args))
+    exact = ref.flash_attn_varlen(q.double(), k.double(), v.double(), *args)
+    err = ((out.double() - exact).norm() / exact.norm()).item()
+    assert 0.01 < err < 0.06, err  # lossy, by about e4m3's precision (bf16: 0.004)
+    with pytest.raises(ValueError, match="fp8"):
+        tri.flash_attn_varlen(q, k, v, *args, fp8=True, batch_invariant=True)
+
+
 def test_flash_attn_varlen_empty_batch_and_scale():
     q = rand(0, 4, 64, dtype=torch.float16)
     out = tri.flash_attn_varlen(q, q[:, :2], q[:, :2], cu([]), cu([]), 0, 0)

@@ -84,11 +84,15 @@ def copy_bandwidth_tbs(gib: float = 2.0) -> float:
     return 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
 
 
-def matmul_tflops(n: int = 8192) -> float:
-    """bf16 n x n x n matrix product rate in TFLOP/s, on random data."""
+def matmul_tflops(n: int = 8192, fp8: bool = False) -> float:
+    """bf16 (or e4m3, cuBLASLt's scaled product) n x n x n matrix product rate in TFLOP/s, on random data."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b, graph=False)
+    if fp8:
+        a, b, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device="cuda")
+        ms = median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), graph=False)
+    else:
+        ms = median_ms(lambda: a @ b, graph=False)
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 

@@ -1,6 +1,7 @@
 """Benchmark the attention kernels against torch's SDPA backends and the device's measured ceilings.
 
-    python -m flashpage.bench.kernels [--out DIR] [--sweep] [--kv-cache-dtype fp8|int8] [--sparse | --only-sparse]
+    python -m flashpage.bench.kernels [--out DIR] [--sweep] [--kv-cache-dtype fp8|int8] [--fp8]
+                                      [--sparse | --only-sparse]
 
 Prefill: causal, head dim 128, 32 query / 8 KV heads, 16k tokens per launch split into sequences of S tokens;
 and paged prefill, a chunk of queries at the end of a sequence in a paged cache (block size 16, shuffled blocks),
@@ -13,7 +14,8 @@ takes (the copy engine fetching each page's tile for one KV head, as the decode 
 Peers: torch SDPA's backends and, when importable, FlashInfer (`flashpage.bench.flashinfer_peer`: prefill with
 its FA3 and FA2 backends, decode with tensor cores), its outputs compared with ours.
 `--kv-cache-dtype` also times decode over an FP8 or INT8 cache (the engine's scales) against the bf16 one, with the
-rate counted on the bytes it reads. `--sparse` also times SparQ decode against the dense decode
+rate counted on the bytes it reads. `--fp8` also times the FP8 varlen prefill (inputs quantized per head) against
+the bf16 one, with its output's difference from the bf16 output and the e4m3 matmul rate. `--sparse` also times SparQ decode against the dense decode
 (`flashpage.bench.sparse`).
 """
 
@@ -35,6 +37,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashpage.bench import flashinfer_peer
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
+from flashpage.kernels import hopper_prefill
+from flashpage.kernels.fp8 import quantize_heads
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
 from flashpage.kernels import reference
 from flashpage.kv import KV_CACHE_DTYPES, KVCache
@@ -137,6 +141,28 @@ def bench_prefill(seq_len: int, tiles=None) -> dict:
     flops = batch * causal_flops(seq_len, seq_len)
     return {"kind": "prefill", "shape": f"S={seq_len} (B={batch})", "ms": ours, "rate": flops / ours / 1e9,
             "unit": "TFLOP/s", "peers_ms": peers | fi, "portable_ms": portable, "peer_output_diff": diffs}
+
+
+def bench_fp8_prefill(seq_len: int) -> dict:
+    """The varlen prefill of `bench_prefill` with fp8=True (Hopper: `hopper_prefill.prefill_fp8`): the kernel alone on
+    inputs already quantized, and with the quantization; its output's difference from the bf16 kernel's."""
+    batch = PREFILL_TOKENS // seq_len
+    q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.arange(0, PREFILL_TOKENS + 1, seq_len, device="cuda", dtype=torch.int32)
+    out, out8 = torch.empty_like(q), torch.empty_like(q)
+    bf16 = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, out=out))
+    with_quantization = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, out=out8,
+                                                            fp8=True))
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
+    kernel = median_ms(lambda: hopper_prefill.prefill_fp8(
+        q8, k8, v8, q_scale, k_scale, v_scale, out8, cu, cu, seq_len, seq_len, causal=True,
+        sm_scale_log2=attn._sm_scale_log2(None, D), window_size=(-1, -1)))
+    fi, _ = flashinfer_times({"flashinfer-fa3": lambda: flashinfer_peer.ragged_prefill(q, k, v, cu, "fa3")}, out)
+    flops = batch * causal_flops(seq_len, seq_len)
+    return {"kind": "fp8 prefill", "shape": f"S={seq_len} (B={batch})", "ms": kernel, "rate": flops / kernel / 1e9,
+            "unit": "TFLOP/s", "ms_with_quantization": with_quantization, "bf16_ms": bf16, "peers_ms": fi,
+            "diff_from_bf16": ((out8.float() - out.float()).norm() / out.float().norm()).item()}
 
 
 def bench_paged_prefill(q_len: int, k_len: int, batch: int = 1) -> dict:
@@ -246,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparse", action="store_true", help="also time SparQ decode and block-sparse prefill "
                         "against dense (flashpage.bench.sparse)")
     parser.add_argument("--only-sparse", action="store_true", help="time the sparse kernels and nothing else")
+    parser.add_argument("--fp8", action="store_true", help="also time the FP8 (e4m3) varlen prefill (Hopper) "
+                        "against the bf16 one, with its difference from it")
     parser.add_argument("--no-sparq", action="store_true", help="with --sparse: block-sparse prefill only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -295,6 +323,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:10.2f}"
                   f" {r['fraction_of_ceiling']:8.0%}")
+    if args.fp8 and not args.only_sparse:
+        mm8 = matmul_tflops(fp8=True)
+        print(f"\n{'fp8 prefill':16s} {'ms':>7s} {'TFLOP/s':>8s} {'of e4m3 matmul':>14s} {'+quantize ms':>12s}"
+              f" {'bf16 ms':>8s} {'vs bf16':>8s} {'vs FA3 bf16':>11s} {'diff from bf16':>14s}  (e4m3 matmul "
+              f"{mm8:.0f} TFLOP/s)")
+        for s in PREFILL_S:
+            r = bench_fp8_prefill(s)
+            r["fraction_of_ceiling"] = r["rate"] / mm8
+            rows.append(r)
+            fa3 = r["peers_ms"].get("flashinfer-fa3", float("nan"))
+            print(f"{r['shape']:16s} {r['ms']:7.3f} {r['rate']:8.0f} {r['fraction_of_ceiling']:14.0%} "
+                  f"{r['ms_with_quantization']:12.3f} {r['bf16_ms']:8.3f} {r['bf16_ms'] / r['ms']:7.2f}x"
+                  f" {fa3 / r['ms']:10.2f}x {r['diff_from_bf16']:14.1e}")
     if args.sparse or args.only_sparse:
         from flashpage.bench import sparse
 

@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashpage.kernels import hopper_prefill
 from flashpage.kernels.device import sm_count
+from flashpage.kernels.fp8 import dequantize_heads, quantize_heads
 from flashpage.kernels.tree import check_query_mask
 
 
@@ -375,6 +376,11 @@ def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
     return (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
 
 
+def _sm_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
+    """The softmax's scale times log2(e): the kernels exponentiate in base 2."""
+    return (softmax_scale if softmax_scale is not None else head_dim**-0.5) * _LOG2E
+
+
 def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window_size, num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False,
             scales=None, tree_mask=None, block_sparse=None):
@@ -387,7 +393,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
     batch = cu_q.numel() - 1
     if total_q == 0 or batch == 0:
         return out
-    scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
+    scale = _sm_scale_log2(softmax_scale, dim)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if (tiles is None and not batch_invariant and scales is None and tree_mask is None and block_sparse is None
             and num_splits == 1 and max_seqlen_q * group > 16 and not interpret
@@ -455,14 +461,27 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
-                      softmax_scale=None, window_size=(-1, -1), tiles=None, batch_invariant=False, out=None):
+                      softmax_scale=None, window_size=(-1, -1), tiles=None, batch_invariant=False, out=None,
+                      fp8=False):
     """Attention over packed variable-length sequences. q [total_q, Hq, D], k/v [total_k, Hkv, D]. `tiles`
     (BLOCK_M, BLOCK_N, num_warps, num_stages) runs this module's kernel with that tile shape, never the Hopper
     prefill (benchmark sweeps and comparisons). batch_invariant=True:
     a query row's result does not depend on the other rows and sequences of the call (one tile shape, every
-    tile masked)."""
+    tile masked). fp8=True (opt-in, lossy; its error is in README): q, k and v quantized to e4m3 with one scale
+    per head; a Hopper GPU multiplies them on FP8 tensor cores (`hopper_prefill.prefill_fp8`), elsewhere their
+    dequantized values go through this module's kernel."""
     _check(q, k, v, window_size)
     out = torch.empty_like(q) if out is None else out
+    if fp8:
+        if tiles is not None or batch_invariant:
+            raise ValueError("fp8 attention takes neither tiles nor batch_invariant")
+        (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
+        if os.environ.get("TRITON_INTERPRET") != "1" and hopper_prefill.serves(q, k, v, None):
+            return hopper_prefill.prefill_fp8(q8, k8, v8, q_scale, k_scale, v_scale, out, cu_seqlens_q, cu_seqlens_k,
+                                              max_seqlen_q, max_seqlen_k, causal=causal,
+                                              sm_scale_log2=_sm_scale_log2(softmax_scale, q.shape[-1]),
+                                              window_size=window_size)
+        q, k, v = (dequantize_heads(x, scale, q.dtype) for x, scale in ((q8, q_scale), (k8, k_scale), (v8, v_scale)))
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, max_seqlen_k, causal,
                    softmax_scale, window_size, 1, paged=False, page_size=1, tiles=tiles,
                    batch_invariant=batch_invariant)

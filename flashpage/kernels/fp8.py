@@ -31,6 +31,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (e4m3 [T, H, D], float32 scales [H]): one scale per head, over all of its tokens (FP8
+    attention's Q, K and V); a head of zeros gets scale 1."""
+    amax = x.abs().amax(dim=(0, 2)).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def dequantize_heads(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values `quantize_heads` stands for, in `dtype`."""
+    return (x.float() * scale[None, :, None]).to(dtype)
+
+
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   quantize=quantize_rows) -> torch.Tensor:
     """x [M, K] (16 or 32 bits) @ (e4m3 weight [N, K] * weight_scale [N]).T, x quantized per row by `quantize`

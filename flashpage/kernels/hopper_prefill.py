@@ -37,17 +37,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpage.kernels.device import sm_count
+from flashpage.kernels.fp8 import FP8
 
 
 @gluon.jit
 def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, BlockTable, seq, stride_bt, start, k_start, k_len,
-              kv_col, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+              kv_col, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """Start copying the K and V tiles of keys [start, start + BLOCK_N) into k_smem and v_smem. A paged tile's
     pages past the sequence's last are its last again (the block table has no entries there; the consumers mask
-    those keys and zero those values)."""
+    those keys and zero those values). FP8's V is transposed, [Hkv * D, keys]: a [D, BLOCK_N] tile."""
     mbarrier.expect(k_bar, k_desc.block_type.nbytes * (BLOCK_N // k_desc.block_type.shape[0]))
-    mbarrier.expect(v_bar, v_desc.block_type.nbytes * (BLOCK_N // v_desc.block_type.shape[0]))
-    if PAGED:
+    if FP8:
+        mbarrier.expect(v_bar, v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_start + start, kv_col], k_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_col, k_start + start], v_bar, v_smem)
+    elif PAGED:
+        mbarrier.expect(v_bar, v_desc.block_type.nbytes * (BLOCK_N // v_desc.block_type.shape[0]))
         ROWS: gl.constexpr = k_desc.block_type.shape[0]  # a page, or BLOCK_N keys of a larger page
         for p in gl.static_range(BLOCK_N // ROWS):
             pos = start + p * ROWS
@@ -56,15 +61,17 @@ def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, BlockTable, seq, str
             tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bar, k_smem.slice(p * ROWS, ROWS))
             tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bar, v_smem.slice(p * ROWS, ROWS))
     else:
+        mbarrier.expect(v_bar, v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [k_start + start, kv_col], k_bar, k_smem)
         tma.async_copy_global_to_shared(v_desc, [k_start + start, kv_col], v_bar, v_smem)
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, start, q_pos, hi, masked, sm_scale_log2, window_left, window_right,
+def _softmax_step(s, m_i, l_i, start, q_pos, hi, masked, row_scale, window_left, window_right,
                   CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One key tile's online softmax: the tile's probabilities P (unnormalised), the factor alpha that rescales
-    what came before, and the new running max and sum. Scores stay unscaled; the scale folds into exp2's argument."""
+    what came before, and the new running max and sum. Scores stay unscaled; each row's scale (the softmax's times
+    log2(e), times FP8's dequantization) folds into exp2's argument."""
     if masked:  # the tile holds keys some rows must not see
         kpos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # key <= q_pos also keeps keys past the sequence and rows past it (q_pos -1) out
@@ -78,9 +85,9 @@ def _softmax_step(s, m_i, l_i, start, q_pos, hi, masked, sm_scale_log2, window_l
                 visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
         s = gl.where(visible, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * sm_scale_log2)  # rows that have seen no key yet
-    p = gl.exp2(s * sm_scale_log2 - m_scaled[:, None])
-    alpha = gl.exp2(m_i * sm_scale_log2 - m_scaled)
+    m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * row_scale)  # rows that have seen no key yet
+    p = gl.exp2(s * row_scale[:, None] - m_scaled[:, None])
+    alpha = gl.exp2(m_i * row_scale - m_scaled)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
@@ -129,7 +136,7 @@ def _wait_turn(turn, j, WG: gl.constexpr):
 @gluon.jit
 def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-               WINDOW: gl.constexpr):
+               WINDOW: gl.constexpr, FP8: gl.constexpr):
     """Work item t: one row tile of one (sequence, KV head). Items are numbered row tile fastest, so a (sequence,
     KV head)'s row tiles start together on neighbouring SMs and read its K/V while it is in L2; causal row tiles
     further down see more keys and come first, so the short ones fill the tail. Returns the item's sequence, KV
@@ -144,6 +151,9 @@ def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, wind
     q_len = gl.load(CuSeqlensQ + seq + 1) - q_start
     if PAGED:
         k_start = 0
+        k_len = gl.load(SeqLensK + seq)
+    elif FP8:  # each sequence's keys start 16-byte aligned, for the copies of Vᵀ's tiles (prefill_fp8)
+        k_start = gl.load(CuSeqlensK + seq)
         k_len = gl.load(SeqLensK + seq)
     else:
         k_start = gl.load(CuSeqlensK + seq)
@@ -177,11 +187,11 @@ def _gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: gl.
 
 @gluon.jit
 def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
-             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, sm_scale_log2, window_left,
+             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             WG: gl.constexpr):
+             FP8: gl.constexpr, WG: gl.constexpr):
     """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it, running on into
     the program's next work item while the consumers finish one. (Its arguments are the consumers':
     warp_specialize's workers share one signature.)"""
@@ -189,7 +199,7 @@ def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
-            PAGED, CAUSAL, WINDOW)
+            PAGED, CAUSAL, WINDOW, FP8)
         if has_rows:
             for i in range(n_tiles):
                 slot = (tile + i) % STAGES
@@ -197,25 +207,37 @@ def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
                 mbarrier.wait(kv_empty.index(slot), (((tile + i) // STAGES) & 1) ^ 1)
                 _issue_kv(k_desc, v_desc, k_smem.index(slot), v_smem.index(slot), k_ready.index(slot),
                           v_ready.index(slot), BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start, k_len,
-                          kv_head * HEAD_DIM, PAGED, PAGE_SIZE, BLOCK_N)
+                          kv_head * HEAD_DIM, PAGED, PAGE_SIZE, BLOCK_N, FP8)
             tile += n_tiles
 
 
 @gluon.jit
-def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start, q_len,
-                 k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
+def _v_operand(v_smem, slot, FP8: gl.constexpr):
+    """P V's right operand, [BLOCK_N, HEAD_DIM]: FP8's products take it keys-contiguous (wgmma reads 8-bit
+    operands only along the reduced dimension), so FP8's slots hold Vᵀ."""
+    if FP8:
+        operand = v_smem.index(slot).permute((1, 0))
+    else:
+        operand = v_smem.index(slot)
+    return operand
+
+
+@gluon.jit
+def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, row0, q_start,
+                 q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
                  stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-                 WINDOW: gl.constexpr, WG: gl.constexpr):
+                 WINDOW: gl.constexpr, FP8: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
     to Out. `tile` counts the ring's tiles before this item, `rnd` the tensor-core turns."""
     # wgmma layouts: one 16-row slice per warp; S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM], and P is S's
-    # registers reused as O's left operand.
+    # registers reused as O's left operand (4 e4m3 values in 32 bits, against 2 16-bit ones).
+    K_STEP: gl.constexpr = 32 if FP8 else 16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_STEP])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+                                                       instr_shape=[16, HEAD_DIM, K_STEP])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_STEP // 8)
     dtype: gl.constexpr = q_smem.dtype
 
     # Tiles wholly below every row's diagonal need no mask; with a window, every tile is masked.
@@ -224,8 +246,13 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
     if not WINDOW:
         bound = gl.minimum(hi, first_pos + 1) if CAUSAL else hi
         unmasked_hi = gl.maximum(bound, 0) // BLOCK_N * BLOCK_N
-    tok = (row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))) // GROUP
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    tok = rows // GROUP
     q_pos = gl.where(tok < q_len, k_len - q_len + tok, -1)  # rows past the sequence see nothing
+    row_scale = gl.full([ROWS], sm_scale_log2, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    if FP8:  # Scales [Hkv, GROUP + 2]: a KV head's group's Q scales, then its K and V scales
+        row_scale *= gl.load(Scales + kv_head * (GROUP + 2) + rows % GROUP) * gl.load(
+            Scales + kv_head * (GROUP + 2) + GROUP)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -238,7 +265,7 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     s = warpgroup_mma_wait(0, deps=(s, ))
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, q_pos, hi, lo + BLOCK_N > unmasked_hi,
-                                       sm_scale_log2, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
+                                       row_scale, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
     # Tile i: rescale what tiles before it summed, then send its P V and tile i + 1's scores to the tensor cores
     # together, and run tile i + 1's softmax while P V is still being multiplied.
     for i in range(0, n_tiles - 1):
@@ -251,12 +278,12 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
         _wait_turn(turn, rnd + i + 1, WG)
         s = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
                           use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), acc, is_async=True)
         mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
         s = warpgroup_mma_wait(1, deps=(s, ))
         start = lo + (i + 1) * BLOCK_N
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, start, q_pos, hi, start + BLOCK_N > unmasked_hi,
-                                           sm_scale_log2, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
+                                           row_scale, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(slot), count=1)  # this warpgroup is done with the slot
     last = tile + n_tiles - 1
@@ -268,13 +295,15 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     _wait_turn(turn, rnd + n_tiles, WG)
-    acc = warpgroup_mma(p_op, v_smem.index(slot), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), acc, is_async=True)
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(kv_empty.index(slot), count=1)  # for the program's next item
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    if FP8:
+        out = out * gl.load(Scales + kv_head * (GROUP + 2) + GROUP + 1)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP),
@@ -283,28 +312,28 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
 
 @gluon.jit
 def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
-             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, sm_scale_log2, window_left,
+             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             WG: gl.constexpr):
+             FP8: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items."""
     tile = 0  # key tiles consumed so far, over all of the program's items: the ring's position
     rnd = 0  # turns at the tensor cores so far (an item takes n_tiles + 1)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
-            PAGED, CAUSAL, WINDOW)
+            PAGED, CAUSAL, WINDOW, FP8)
         if has_rows:
             row0 = row0 + WG * ROWS
             # (the previous item's products, which read q_smem, have all completed)
             q_smem.store(_gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS))
             gl.thread_barrier()
             fence_async_shared()  # the tensor cores read shared memory through the async proxy
-            _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, row0, q_start,
-                         q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
+            _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, row0,
+                         q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
                          window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL,
-                         WINDOW, WG)
+                         WINDOW, FP8, WG)
             tile += n_tiles
             rnd += n_tiles + 1
 
@@ -313,18 +342,21 @@ def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, o
 # row tiles per sequence follow the step's shape: specialised (1, a multiple of 16, other) they would compile the
 # kernel again while serving, for seconds, whenever one of them changes class.
 @gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
-def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
-                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m,
+                    n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-                    WINDOW: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    WINDOW: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
     program takes work items program_id, program_id + num_programs, ... (_work_item)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], k_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    if FP8:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -340,17 +372,17 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     # constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
         (_consume, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
-                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
-                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, 0)),
+                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
+                    n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, 0)),
         (_consume, (Q, Out, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
-                    turns.index(0), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
-                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, 1)),
+                    turns.index(0), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
+                    n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, 1)),
         (_load_kv, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
-                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv,
-                    sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, 0)),
+                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
+                    n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, 0)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -401,11 +433,13 @@ def _rows(t: torch.Tensor) -> tuple[list[int], list[int]]:
 
 
 def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, *,
-            causal, sm_scale_log2, window_size, tiles=None, programs=None):
+            causal, sm_scale_log2, window_size, tiles=None, programs=None, scales=None):
     """Attention of q [total_q, Hq, D] over k/v: packed [total_k, Hkv, D] with cu_seqlens_k, or paged caches
     [blocks, page, Hkv, D] with seq_lens_k and block_table (max_seqlen_k: None, the table's width stands for
     it). Writes `out` [total_q, Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent
-    programs; as many as work items: one each) override the choice `short_items` makes."""
+    programs; as many as work items: one each) override the choice `short_items` makes. With `scales`, the
+    FP8 form `prefill_fp8` makes: packed e4m3 q and k, Vᵀ [Hkv, D, keys], their scales [Hkv, group + 2], and
+    seq_lens_k the sequences' key counts (their keys start at cu_seqlens_k, 16-aligned)."""
     total_q, hq, dim = q.shape
     paged = block_table is not None
     hkv = k.shape[-2]
@@ -422,19 +456,51 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     if paged and page < block_n and block_n % page:
         raise ValueError(f"a key tile of {block_n} must hold whole pages of {page}")
     kv_rows = min(page, block_n)
-    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    gdtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv}[q.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gdtype)
-    k_desc, v_desc = (TensorDescriptor(t, *_rows(t), [kv_rows, dim], layout) for t in (k, v))
+    k_desc = TensorDescriptor(k, *_rows(k), [kv_rows, dim], layout)
+    if scales is None:
+        v_desc = TensorDescriptor(v, *_rows(v), [kv_rows, dim], layout)
+    else:  # Vᵀ [Hkv, D, keys] as rows (KV head, d) of keys
+        v_rows = v.view(hkv * dim, v.shape[-1])
+        v_desc = TensorDescriptor(v_rows, list(v_rows.shape), [v_rows.stride(0), 1], [dim, block_n],
+                                  gl.NVMMASharedLayout.get_default_for([dim, block_n], gdtype))
     unused = cu_seqlens_q
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
     n_items = n_m * hkv * batch
     programs = programs or (sm_count(q.device.index or 0) if short else n_items)
     _prefill_kernel[(min(n_items, programs), )](
         q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
-        seq_lens_k if paged else unused, block_table if paged else unused, n_items, n_m, hkv, sm_scale_log2,
-        window_size[0], window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0,
+        unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
+        unused if scales is None else scales, n_items, n_m, hkv, sm_scale_log2, window_size[0], window_size[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PAGED=paged,
-        PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
+        PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1), FP8=scales is not None,
         CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
     return out
+
+
+def prefill_fp8(q, k, v, q_scale, k_scale, v_scale, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                causal, sm_scale_log2, window_size, tiles=None, programs=None):
+    """`prefill` on FP8 tensor cores: q, k, v packed e4m3 with one scale per head (`flashpage.kernels.fp8.
+    quantize_heads`); P is rounded to e4m3 as FA3 does, and the scales fold into the softmax's and the output's.
+    V goes to the kernel transposed, keys contiguous, as FP8's P V reads it; a copy-engine tile of Vᵀ must start
+    16-byte aligned, so K and Vᵀ are laid out again with each sequence's keys from a multiple of 16 (a copy of
+    each, small beside the attention)."""
+    hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
+    batch, keys = cu_seqlens_k.numel() - 1, k.shape[0]
+    lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    cu_aligned = torch.zeros_like(cu_seqlens_k)
+    torch.cumsum((lens + 15) // 16 * 16, 0, out=cu_aligned[1:])
+    # where each key goes (no host sync: the layout is sized for the most padding it can need)
+    to = torch.arange(keys, device=k.device) + torch.repeat_interleave(cu_aligned[:-1] - cu_seqlens_k[:-1], lens,
+                                                                         output_size=keys)
+    columns = triton.cdiv(keys, 16) * 16 + 16 * batch  # (Vᵀ's rows 16-byte aligned too)
+    k_aligned = torch.zeros(columns, hkv, dim, dtype=FP8, device=k.device)
+    k_aligned[to] = k
+    vt = torch.zeros(hkv, dim, columns, dtype=FP8, device=v.device)  # zeros: P V multiplies the padding by 0
+    vt[:, :, to] = v.permute(1, 2, 0)
+    scales = torch.cat([q_scale.view(hkv, hq // hkv), k_scale[:, None], v_scale[:, None]], 1).float().contiguous()
+    return prefill(q, k_aligned, vt, out, cu_seqlens_q, cu_aligned, lens, None, max_seqlen_q, max_seqlen_k,
+                   causal=causal, sm_scale_log2=sm_scale_log2, window_size=window_size, tiles=tiles,
+                   programs=programs, scales=scales)
