@@ -44,7 +44,6 @@ def main() -> None:
     jit.JITFunction.run = compile_only(jit.JITFunction.run)
     from flashpage.kernels import batch_invariant as inv
     from flashpage.kernels import hopper_prefill
-    from flashpage.kernels.fp8 import quantize_heads
     from flashpage.kernels import triton_ops as tri
     from flashpage.kernels.block_sparse import BlockSparsePattern
     from flashpage.kv import KVCache
@@ -136,9 +135,8 @@ def main() -> None:
                 for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (7, 0))):
                     hopper_prefill.prefill(q, k, k, torch.empty_like(q), cu, cu, None, None, 23, 23, causal=causal,
                                            sm_scale_log2=0.1, window_size=window, tiles=tiles, programs=4)
-                (q8, q_scale), (k8, k_scale) = quantize_heads(q), quantize_heads(k)  # FP8, its V transposed
-                hopper_prefill.prefill_fp8(q8, k8, k8, q_scale, k_scale, k_scale, torch.empty_like(q), cu, cu, 23, 23,
-                                           causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
+                hopper_prefill.prefill_fp8(hopper_prefill.quantize_inputs(q, k, k, cu), torch.empty_like(q), cu, 23,
+                                           23, causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
                                            programs=4)
                 for page in (16, 64):
                     pages = rand(8, page, 2, dim, dtype=dtype)

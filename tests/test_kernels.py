@@ -80,6 +80,30 @@ def test_fp8_attention_quantizes_each_head_and_stays_close():
         tri.flash_attn_varlen(q, k, v, *args, fp8=True, batch_invariant=True)
 
 
+def test_fp8_prefill_inputs_quantize_each_token_into_its_aligned_slot():
+    """The Hopper FP8 prefill's inputs (`hopper_prefill.quantize_inputs`, a Triton kernel): the torch quantizer's
+    values, each sequence's keys from a multiple of 16, V transposed, zeros between. The inputs are e4m3 values
+    times a power of two, so no value rounds (the CPU interpreter's e4m3 rounding can be a binade off)."""
+    from flashpage.kernels import hopper_prefill
+    from flashpage.kernels.fp8 import FP8, quantize_heads
+
+    def exact(*shape):
+        x = rand(*shape, dtype=torch.float32).mul(100).clamp(-448, 448).to(FP8).to(torch.bfloat16)
+        x[0, :, 0] = 448  # every head's largest magnitude: scale 1, then 2 ** -3
+        return x * 2.0 ** -3
+    lens = [1, 17, 40]
+    q, k, v = exact(58, 8, 64), exact(58, 2, 64), exact(58, 2, 64)
+    x = hopper_prefill.quantize_inputs(q, k, v, cu(lens))
+    assert x.cu_seqlens_k.tolist() == [0, 16, 48, 96] and x.seq_lens_k.tolist() == lens
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
+    assert torch.equal(x.scales, torch.cat([q_scale.view(2, 4), k_scale[:, None], v_scale[:, None]], 1))
+    assert torch.equal(x.q.float(), q8.float())
+    for start, first, n in zip([0, 16, 48], [0, 1, 18], lens):
+        assert torch.equal(x.k[start:start + n].float(), k8[first:first + n].float())
+        assert torch.equal(x.v_t[:, :, start:start + n].permute(2, 0, 1).float(), v8[first:first + n].float())
+    assert not x.k[1:16].float().any() and not x.v_t[:, :, 33:48].float().any()
+
+
 def test_flash_attn_varlen_empty_batch_and_scale():
     q = rand(0, 4, 64, dtype=torch.float16)
     out = tri.flash_attn_varlen(q, q[:, :2], q[:, :2], cu([]), cu([]), 0, 0)

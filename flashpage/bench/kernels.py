@@ -38,7 +38,6 @@ from flashpage.bench import flashinfer_peer
 from flashpage.bench.common import copy_bandwidth_tbs, matmul_tflops, median_ms
 from flashpage.kernels import attention as attn
 from flashpage.kernels import hopper_prefill
-from flashpage.kernels.fp8 import quantize_heads
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
 from flashpage.kernels import reference
 from flashpage.kv import KV_CACHE_DTYPES, KVCache
@@ -154,10 +153,10 @@ def bench_fp8_prefill(seq_len: int) -> dict:
     bf16 = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, out=out))
     with_quantization = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, out=out8,
                                                             fp8=True))
-    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
-    kernel = median_ms(lambda: hopper_prefill.prefill_fp8(
-        q8, k8, v8, q_scale, k_scale, v_scale, out8, cu, cu, seq_len, seq_len, causal=True,
-        sm_scale_log2=attn._sm_scale_log2(None, D), window_size=(-1, -1)))
+    quantized = hopper_prefill.quantize_inputs(q, k, v, cu)
+    kernel = median_ms(lambda: hopper_prefill.prefill_fp8(quantized, out8, cu, seq_len, seq_len, causal=True,
+                                                          sm_scale_log2=attn._sm_scale_log2(None, D),
+                                                          window_size=(-1, -1)))
     fi, _ = flashinfer_times({"flashinfer-fa3": lambda: flashinfer_peer.ragged_prefill(q, k, v, cu, "fa3")}, out)
     flops = batch * causal_flops(seq_len, seq_len)
     return {"kind": "fp8 prefill", "shape": f"S={seq_len} (B={batch})", "ms": kernel, "rate": flops / kernel / 1e9,

@@ -475,13 +475,12 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if fp8:
         if tiles is not None or batch_invariant:
             raise ValueError("fp8 attention takes neither tiles nor batch_invariant")
-        (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_heads(t) for t in (q, k, v))
         if os.environ.get("TRITON_INTERPRET") != "1" and hopper_prefill.serves(q, k, v, None):
-            return hopper_prefill.prefill_fp8(q8, k8, v8, q_scale, k_scale, v_scale, out, cu_seqlens_q, cu_seqlens_k,
+            return hopper_prefill.prefill_fp8(hopper_prefill.quantize_inputs(q, k, v, cu_seqlens_k), out, cu_seqlens_q,
                                               max_seqlen_q, max_seqlen_k, causal=causal,
                                               sm_scale_log2=_sm_scale_log2(softmax_scale, q.shape[-1]),
                                               window_size=window_size)
-        q, k, v = (dequantize_heads(x, scale, q.dtype) for x, scale in ((q8, q_scale), (k8, k_scale), (v8, v_scale)))
+        q, k, v = (dequantize_heads(*quantize_heads(t), q.dtype) for t in (q, k, v))
     return _launch(q, k, v, out, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, max_seqlen_k, causal,
                    softmax_scale, window_size, 1, paged=False, page_size=1, tiles=tiles,
                    batch_invariant=batch_invariant)

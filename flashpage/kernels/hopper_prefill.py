@@ -27,6 +27,7 @@ GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are `tests
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,6 +39,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashpage.kernels.device import sm_count
 from flashpage.kernels.fp8 import FP8
+from flashpage.kernels.quantize import quantize_heads
 
 
 @gluon.jit
@@ -438,8 +440,7 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     [blocks, page, Hkv, D] with seq_lens_k and block_table (max_seqlen_k: None, the table's width stands for
     it). Writes `out` [total_q, Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent
     programs; as many as work items: one each) override the choice `short_items` makes. With `scales`, the
-    FP8 form `prefill_fp8` makes: packed e4m3 q and k, Vᵀ [Hkv, D, keys], their scales [Hkv, group + 2], and
-    seq_lens_k the sequences' key counts (their keys start at cu_seqlens_k, 16-aligned)."""
+    FP8 form (`prefill_fp8`: FP8Inputs)."""
     total_q, hq, dim = q.shape
     paged = block_table is not None
     hkv = k.shape[-2]
@@ -480,27 +481,44 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     return out
 
 
-def prefill_fp8(q, k, v, q_scale, k_scale, v_scale, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                causal, sm_scale_log2, window_size, tiles=None, programs=None):
-    """`prefill` on FP8 tensor cores: q, k, v packed e4m3 with one scale per head (`flashpage.kernels.fp8.
-    quantize_heads`); P is rounded to e4m3 as FA3 does, and the scales fold into the softmax's and the output's.
-    V goes to the kernel transposed, keys contiguous, as FP8's P V reads it; a copy-engine tile of Vᵀ must start
-    16-byte aligned, so K and Vᵀ are laid out again with each sequence's keys from a multiple of 16 (a copy of
-    each, small beside the attention)."""
+@dataclass
+class FP8Inputs:
+    """Attention inputs in the layout `prefill`'s FP8 form reads (`quantize_inputs`): q e4m3 [tokens, Hq, D]; k e4m3
+    [slots, Hkv, D] and v_t, Vᵀ e4m3 [Hkv, D, slots], each sequence's keys from slot cu_seqlens_k[i], a multiple of
+    16 (a copy-engine tile of Vᵀ must start 16-byte aligned; the slots between sequences hold zeros), seq_lens_k[i]
+    of them; scales [Hkv, group + 2]: per KV head, its query heads' scales, then its K and V scales."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v_t: torch.Tensor
+    scales: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seq_lens_k: torch.Tensor
+
+
+def quantize_inputs(q, k, v, cu_seqlens_k) -> FP8Inputs:
+    """Packed 16-bit q [tokens, Hq, D], k/v [keys, Hkv, D] quantized with one scale per head, in one pass each, to
+    the layout of FP8Inputs (with no host sync: the slots are sized for the most padding the batch can need)."""
     hq, hkv, dim = q.shape[1], k.shape[1], q.shape[2]
     batch, keys = cu_seqlens_k.numel() - 1, k.shape[0]
     lens = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     cu_aligned = torch.zeros_like(cu_seqlens_k)
     torch.cumsum((lens + 15) // 16 * 16, 0, out=cu_aligned[1:])
-    # where each key goes (no host sync: the layout is sized for the most padding it can need)
-    to = torch.arange(keys, device=k.device) + torch.repeat_interleave(cu_aligned[:-1] - cu_seqlens_k[:-1], lens,
-                                                                         output_size=keys)
-    columns = triton.cdiv(keys, 16) * 16 + 16 * batch  # (Vᵀ's rows 16-byte aligned too)
-    k_aligned = torch.zeros(columns, hkv, dim, dtype=FP8, device=k.device)
-    k_aligned[to] = k
-    vt = torch.zeros(hkv, dim, columns, dtype=FP8, device=v.device)  # zeros: P V multiplies the padding by 0
-    vt[:, :, to] = v.permute(1, 2, 0)
-    scales = torch.cat([q_scale.view(hkv, hq // hkv), k_scale[:, None], v_scale[:, None]], 1).float().contiguous()
-    return prefill(q, k_aligned, vt, out, cu_seqlens_q, cu_aligned, lens, None, max_seqlen_q, max_seqlen_k,
-                   causal=causal, sm_scale_log2=sm_scale_log2, window_size=window_size, tiles=tiles,
-                   programs=programs, scales=scales)
+    slot = torch.arange(keys, device=k.device) + torch.repeat_interleave(cu_aligned[:-1] - cu_seqlens_k[:-1], lens,
+                                                                           output_size=keys)
+    slots = triton.cdiv(keys, 16) * 16 + 16 * batch  # (Vᵀ's rows 16-byte aligned too)
+    q8, q_scale = quantize_heads(q)
+    k8, k_scale = quantize_heads(k, torch.zeros(slots, hkv, dim, dtype=FP8, device=k.device), slot)
+    v_t = torch.zeros(hkv, dim, slots, dtype=FP8, device=v.device)  # zeros: P V multiplies the padding by 0
+    _, v_scale = quantize_heads(v, v_t.permute(2, 0, 1), slot)
+    scales = torch.cat([q_scale.view(hkv, hq // hkv), k_scale[:, None], v_scale[:, None]], 1).contiguous()
+    return FP8Inputs(q8, k8, v_t, scales, cu_aligned, lens)
+
+
+def prefill_fp8(x: FP8Inputs, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, *, causal, sm_scale_log2, window_size,
+                tiles=None, programs=None):
+    """`prefill` on FP8 tensor cores: both products multiply e4m3 values; P is rounded to e4m3 as FA3 does, and
+    the scales fold into the softmax's and the output's. V comes transposed, keys contiguous, as FP8's P V reads
+    it."""
+    return prefill(x.q, x.k, x.v_t, out, cu_seqlens_q, x.cu_seqlens_k, x.seq_lens_k, None, max_seqlen_q,
+                   max_seqlen_k, causal=causal, sm_scale_log2=sm_scale_log2, window_size=window_size, tiles=tiles,
+                   programs=programs, scales=x.scales)

@@ -1,9 +1,12 @@
-"""Per-row (per-token) FP8 quantization of activations in one kernel, for the scaled matmul of FP8 layers: the
-arithmetic of `flashpage.kernels.fp8.quantize_rows` (the same scales; values can differ by one e4m3 step, as
-Triton's float32 division is not IEEE-exact), which as separate PyTorch operations took as long as the FP8
-matmul it feeds (docs/kernel-notes.md). One program holds a whole row in registers: one read, its largest
-magnitude, then scale, round and store. The RMSNorm in front of a projection can run in the same program
-(`norm_weight`), so the normalised row is never written out in 16 bits and read back."""
+"""FP8 quantization kernels, the arithmetic of `flashpage.kernels.fp8`'s (the same scales; values can differ by one
+e4m3 step, as Triton's float32 division is not IEEE-exact), which as separate PyTorch operations took as long as
+the products they feed (docs/kernel-notes.md).
+
+- Per row (token), for the scaled matmul of FP8 layers: one program holds a whole row in registers: one read, its
+  largest magnitude, then scale, round and store. The RMSNorm in front of a projection can run in the same program
+  (`norm_weight`), so the normalised row is never written out in 16 bits and read back.
+- Per head, for FP8 attention: one pass over the tokens, written wherever the attention kernel wants each token
+  (`quantize_heads`' `out` and `rows`), transposed included."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashpage.kernels.fp8 import FP8, FP8_MAX
+from flashpage.kernels.fp8 import FP8, FP8_MAX, head_scales
 from flashpage.kernels.norm import rms_normalize
 
 
@@ -45,3 +48,36 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps:
                                              x.stride(0), q.stride(0), eps, FMAX=FP8_MAX, NORM=norm_weight is not None,
                                              BLOCK=block, num_warps=min(max(block // 1024, 4), 16))
     return q, scale
+
+
+@triton.jit
+def _quantize_heads_kernel(X, Scale, Out, Rows, T, stride_xt, stride_xh, stride_ot, stride_oh, stride_od,
+                           FMAX: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    d = tl.arange(0, D)
+    ok = (t < T)[:, None]
+    x = tl.load(X + t.to(tl.int64)[:, None] * stride_xt + head * stride_xh + d[None, :], mask=ok, other=0.0)
+    q = tl.minimum(tl.maximum(x.to(tl.float32) / tl.load(Scale + head), -FMAX), FMAX)
+    row = tl.load(Rows + t, mask=t < T, other=0).to(tl.int64) if ROWS else t.to(tl.int64)
+    tl.store(Out + row[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od, q.to(Out.dtype.element_ty),
+             mask=ok)
+
+
+def quantize_heads(x: torch.Tensor, out: torch.Tensor | None = None, rows: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H, D] -> (e4m3, float32 scales [H]) with one scale per head (`flashpage.kernels.fp8.quantize_heads`):
+    written to `out` (new [T, H, D], or any view indexed [row, head, d], a transposed one included), token t at
+    row rows[t] (default t)."""
+    tokens, heads, dim = x.shape
+    if x.stride(-1) != 1 or dim & (dim - 1):
+        raise ValueError("quantize_heads needs a power-of-two head dim with unit stride")
+    scale = head_scales(x)
+    out = torch.empty(x.shape, dtype=FP8, device=x.device) if out is None else out
+    if tokens:
+        block = max(1, 4096 // dim)
+        _quantize_heads_kernel[(triton.cdiv(tokens, block), heads)](
+            x, scale, out, x if rows is None else rows, tokens, x.stride(0), x.stride(1), *out.stride(),
+            FMAX=FP8_MAX, ROWS=rows is not None, D=dim, BLOCK_T=block, num_warps=4)
+    return out, scale
+
