@@ -20,8 +20,10 @@ Masks are bottom-right aligned, as in the portable kernel: query i of a sequence
 k_len - q_len + i.
 
 This is the fast path for what prefill uses (bf16/fp16, head dim 64 or 128, causal or not, windows, a paged or a
-contiguous K/V); everything else (quantized caches, token trees, block-sparse patterns, batch invariance, older
-GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are `tests/test_hopper_prefill.py`.
+contiguous K/V), and the opt-in FP8 prefill of contiguous K/V (`prefill_fp8`: e4m3 products, Vᵀ in its slots,
+per-head scales folded into the softmax and the output); everything else (quantized caches, token trees,
+block-sparse patterns, batch invariance, older GPUs, the CPU interpreter) runs on the portable kernel. The GPU
+tests are `tests/test_hopper_prefill.py`.
 """
 
 from __future__ import annotations
