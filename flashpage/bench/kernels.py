@@ -361,7 +361,8 @@ def plot(rows: list[dict], gpu: str, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, kind in zip(axes, ("prefill", "decode")):
-        sel = [r for r in rows if r["kind"].endswith(kind) and r.get("kv_cache_dtype", "auto") == "auto"]
+        sel = [r for r in rows if r["kind"].endswith(kind) and r.get("kv_cache_dtype", "auto") == "auto"
+               and r["kind"] != "fp8 prefill"]
         names = ["flashpage"] + sorted({n for r in sel for n in r["peers_ms"]})
         width = 0.8 / len(names)
         for i, name in enumerate(names):
