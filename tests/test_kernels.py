@@ -78,6 +78,7 @@ def test_fp8_attention_quantizes_each_head_and_stays_close():
     assert 0.01 < err < 0.06, err  # lossy, by about e4m3's precision (bf16: 0.004)
     with pytest.raises(ValueError, match="fp8"):
         tri.flash_attn_varlen(q, k, v, *args, fp8=True, batch_invariant=True)
+    assert tri.flash_attn_varlen(q[:0], k[:0], v[:0], cu([]), cu([]), 0, 0, fp8=True).shape == (0, 8, 64)
 
 
 def test_fp8_prefill_inputs_quantize_each_token_into_its_aligned_slot():

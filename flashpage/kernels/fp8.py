@@ -33,6 +33,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def head_scales(x: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] -> float32 [H]: each head's largest magnitude over 448 (1 for a head of zeros), in one read."""
+    if x.numel() == 0:  # (an empty max has no value)
+        return torch.ones(x.shape[1], device=x.device)
     amax = torch.linalg.vector_norm(x, float("inf"), dim=(0, 2)).float()
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
