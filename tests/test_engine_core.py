@@ -10,11 +10,13 @@ import random
 import signal
 
 import pytest
+import torch
 
 from conftest import wait_until
 from flashpage import SamplingParams
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.llm_engine import LLMEngine
+from flashpage.kernels.sampling import num_chunks
 from flashpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from flashpage.server.async_engine import AsyncEngine
 from flashpage.server.engine_core import DeltaDecoder, DeltaEncoder, EngineProcess
@@ -153,14 +155,40 @@ def test_warm_up_leaves_the_engine_idle_and_serving():
         assert not small.requests and small.stats()["kv_slots_allocated"] == 0
 
 
-def test_warm_up_on_a_gpu_also_prefills_a_long_prompt():
-    """(The Hopper prefill's tiles for long items compile then, not at a server's first long prompt.) On a CPU the
-    warm-up stops short of it; the GPU's is simulated by the device name, which only the warm-up reads here."""
+def test_warm_up_on_a_gpu_also_prefills_a_long_prompt_and_samples_every_kernel_variant(monkeypatch):
+    """(The Hopper prefill's tiles for long items compile then, not at a server's first long prompt; so do the
+    sampling kernels of every chunk count and filter use, not at the first request with the default sampling.)
+    On a CPU the warm-up stops short of both; the GPU's is simulated by the device name, which only the warm-up
+    reads here."""
     for device, longest in (("cpu", 150), ("cuda", 2048)):
         engine = LLMEngine(EngineConfig.from_settings(**{**SETTINGS, "max_model_len": 2100}))
         engine.cfg = dataclasses.replace(engine.cfg, device=device)
         step, ends = engine.runner.step, []  # where each step's prompt chunks end
         engine.runner.step = lambda plan, *a: ends.extend(
             s.positions[-1] + 1 for s in plan.seqs if len(s.token_ids) > 1) or step(plan, *a)
+        ops, sample, drawn = engine.runner.model.ops, engine.runner.model.ops.sample, set()
+
+        def record(logits, *args, filtered, **kw):
+            drawn.add((num_chunks(logits.shape[0], logits.shape[1], logits.device), filtered))
+            return sample(logits, *args, filtered=filtered, **kw)
+        monkeypatch.setattr(ops, "sample", record)
         engine.warm_up()
+        monkeypatch.undo()
         assert max(ends) == longest
+        vocab, dev = engine.config.vocab_size, engine.runner.device
+        every = {(num_chunks(rows, vocab, dev), f) for rows in range(1, engine.cfg.max_num_seqs + 1)
+                 for f in (False, True)}
+        assert (drawn >= every) == (device == "cuda"), drawn  # (on this CPU: 2 chunks up to 16 rows, 1 above)
+
+
+def test_sampling_chunk_classes_are_one_batch_per_kernel_variant(monkeypatch):
+    """On an H100 (132 SMs) `sample` cuts a row into 64, 32, ... 2 pieces as the batch grows; a warm-up samples
+    the smallest batch of each."""
+    from flashpage.kernels import sampling
+    monkeypatch.setattr(sampling, "sm_count", lambda index: 132)
+    cuda = torch.device("cuda")
+    classes = sampling.chunk_classes(49152, cuda, 256)
+    assert classes == [1, 9, 17, 33, 66, 132]
+    assert [sampling.num_chunks(b, 49152, cuda) for b in classes] == [64, 32, 16, 8, 4, 2]
+    assert sampling.num_chunks(8, 49152, cuda) == 64 and sampling.num_chunks(256, 49152, cuda) == 2
+    assert sampling.chunk_classes(3000, cuda, 4) == [1]  # at most one piece per 1,024-wide tile: 4

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.runner import ModelRunner, StepFuture
+from flashpage.engine.sampler import warm_up_sampling
 from flashpage.engine.scheduler import Scheduler
 from flashpage.engine.sparse import SparseStats
 from flashpage.engine.sequence import Sequence
@@ -193,8 +194,9 @@ class LLMEngine:
         kernel's tiles (kernels/linear.py; the decode graphs cover the multiples of 16); on a GPU, one of 2,048
         tokens, whose last prefill sees long items (the Hopper prefill's other tiles: kernels/hopper_prefill.py,
         short_items; on a CPU it would take seconds and compile nothing). Greedy and sampled draws, with
-        log-probs. A request the engine could never serve (a tiny context or cache) is left out. Leaves their
-        prompts in the prefix cache, nothing else."""
+        log-probs; then, on a GPU, the sampling kernels' other variants (`warm_up_sampling`). A request the engine
+        could never serve (a tiny context or cache) is left out. Leaves their prompts in the prefix cache, nothing
+        else."""
         vocab, limit = self.config.vocab_size, self.max_model_len
 
         def prompt(i: int, n: int) -> list[int]:
@@ -220,6 +222,8 @@ class LLMEngine:
             self.step()
         while self.has_unfinished_requests():
             self.step()
+        if self.cfg.device.startswith("cuda"):
+            warm_up_sampling(self.runner.model.ops, vocab, self.runner.device, self.cfg.max_num_seqs)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (also done at exit); the engine cannot step after this."""

@@ -17,6 +17,7 @@ from flashpage.engine.inputs import upload
 from flashpage.engine.spec.multi_branch import multi_branch_draw
 from flashpage.engine.step import SampleRow
 from flashpage.kernels.reference import filtered_probs
+from flashpage.kernels.sampling import chunk_classes
 
 
 @dataclass
@@ -69,6 +70,20 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: 
     ranks = (raw_logprobs > chosen[:, None]).sum(-1) + 1 if ranked else None
     top = raw_logprobs.topk(k, dim=-1) if k else None
     return Sampled(tokens, chosen, ranks, top.indices if top else None, top.values if top else None)
+
+
+def warm_up_sampling(ops, vocab: int, device: torch.device, max_rows: int) -> None:
+    """Compile the sampling kernels' variants before requests need them: they compile once per chunk count, which
+    follows how many rows a step samples (`kernels/sampling.py`, chunk_classes), and per use of top-k/top-p.
+    Sampled requests reach few of them (a first request with the default sampling, temperature 1 and no top-p,
+    waited 0.8 s for its variant on an H100 after a warm-up that drew with top-p only). Each, once, on zero
+    logits."""
+    for rows in chunk_classes(vocab, device, max_rows):
+        ones = torch.ones(rows, device=device)
+        for top_p in (1.0, 0.9):
+            ops.sample(torch.zeros(rows, vocab, device=device), ones, torch.full((rows,), vocab, dtype=torch.int32,
+                       device=device), ones * top_p, ones * 0, torch.zeros(rows, dtype=torch.int64, device=device),
+                       filtered=top_p < 1)
 
 
 def _multi_branch(logits: torch.Tensor, rows: list[SampleRow], children: list[tuple[int, ...]],

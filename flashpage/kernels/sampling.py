@@ -247,6 +247,31 @@ def _finish(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, 
     tl.store(OutLogprob + row, tl.load(Logits + row * stride_l + token).to(tl.float32) - best - tl.log(raw_total))
 
 
+def _block(vocab: int) -> int:
+    return min(triton.next_power_of_2(vocab), 1024)
+
+
+def num_chunks(batch: int, vocab: int, device: torch.device, asked: int | None = None) -> int:
+    """How many pieces `sample` cuts each of `batch` rows into (`asked`, or about two programs per SM over the
+    batch; the interpreter cuts small batches in two, which tests the merging without multiplying its slow
+    programs on large ones): a power of two, at most 64 and at most the row's tiles. Each count compiles its own
+    kernels (it is a constexpr)."""
+    if asked is None and device.type == "cuda":
+        asked = triton.cdiv(2 * sm_count(device.index or 0), batch)
+    elif asked is None:
+        asked = 2 if batch <= 16 else 1
+    return min(triton.next_power_of_2(asked), 64, triton.next_power_of_2(triton.cdiv(vocab, _block(vocab))))
+
+
+def chunk_classes(vocab: int, device: torch.device, max_rows: int) -> list[int]:
+    """The smallest batch of each chunk count (`num_chunks`) up to `max_rows` rows: one batch per kernel variant,
+    for a warm-up."""
+    first: dict[int, int] = {}
+    for batch in range(1, max_rows + 1):
+        first.setdefault(num_chunks(batch, vocab, device), batch)
+    return sorted(first.values())
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = True, draft_tokens=None,
            draft_probs=None, chunks: int | None = None):
     """logits [B, V] -> (token ids [B] int64, their log-probabilities under softmax(logits) [B] float32). Per row:
@@ -263,12 +288,8 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
     logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     if batch == 0:
         return out, logprobs
-    block = min(triton.next_power_of_2(vocab), 1024)
-    # Chunks: about two programs per SM over the batch (the interpreter cuts small batches in two, which tests
-    # the merging without multiplying its slow programs on large ones).
-    if chunks is None:
-        chunks = triton.cdiv(2 * sm_count(dev.index or 0), batch) if dev.type == "cuda" else 2 if batch <= 16 else 1
-    chunks = min(triton.next_power_of_2(chunks), 64, triton.next_power_of_2(triton.cdiv(vocab, block)))
+    block = _block(vocab)
+    chunks = num_chunks(batch, vocab, dev, chunks)
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
     winners = torch.empty((batch, chunks, 2), dtype=torch.float32, device=dev)
