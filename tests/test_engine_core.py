@@ -166,15 +166,19 @@ def test_warm_up_on_a_gpu_also_prefills_a_long_prompt_and_samples_every_kernel_v
         step, ends = engine.runner.step, []  # where each step's prompt chunks end
         engine.runner.step = lambda plan, *a: ends.extend(
             s.positions[-1] + 1 for s in plan.seqs if len(s.token_ids) > 1) or step(plan, *a)
-        ops, sample, drawn = engine.runner.model.ops, engine.runner.model.ops.sample, set()
+        ops, drawn, penalised = engine.runner.model.ops, set(), set()
+        sample, penalties, bitmask = ops.sample, ops.apply_penalties, ops.apply_token_bitmask
 
         def record(logits, *args, filtered, **kw):
             drawn.add((num_chunks(logits.shape[0], logits.shape[1], logits.device), filtered))
             return sample(logits, *args, filtered=filtered, **kw)
         monkeypatch.setattr(ops, "sample", record)
+        monkeypatch.setattr(ops, "apply_penalties", lambda *a: penalised.add(a[2].numel()) or penalties(*a))
+        monkeypatch.setattr(ops, "apply_token_bitmask", lambda *a: penalised.add("mask") or bitmask(*a))
         engine.warm_up()
         monkeypatch.undo()
         assert max(ends) == longest
+        assert penalised == ({1, 16, 17, "mask"} if device == "cuda" else set())
         vocab, dev = engine.config.vocab_size, engine.runner.device
         every = {(num_chunks(rows, vocab, dev), f) for rows in range(1, engine.cfg.max_num_seqs + 1)
                  for f in (False, True)}

@@ -77,13 +77,19 @@ def warm_up_sampling(ops, vocab: int, device: torch.device, max_rows: int) -> No
     follows how many rows a step samples (`kernels/sampling.py`, chunk_classes), and per use of top-k/top-p.
     Sampled requests reach few of them (a first request with the default sampling, temperature 1 and no top-p,
     waited 0.8 s for its variant on an H100 after a warm-up that drew with top-p only). Each, once, on zero
-    logits."""
+    logits; and the penalties' kernel (Triton compiles again for an entry count of 1 and for multiples of 16)
+    and the grammar mask's."""
     for rows in chunk_classes(vocab, device, max_rows):
         ones = torch.ones(rows, device=device)
         for top_p in (1.0, 0.9):
             ops.sample(torch.zeros(rows, vocab, device=device), ones, torch.full((rows,), vocab, dtype=torch.int32,
                        device=device), ones * top_p, ones * 0, torch.zeros(rows, dtype=torch.int64, device=device),
                        filtered=top_p < 1)
+    logits, one = torch.zeros(1, vocab, device=device), torch.ones(1, device=device)
+    for n in (1, 16, 17):
+        none = torch.zeros(n, dtype=torch.int32, device=device)
+        ops.apply_penalties(logits, none, torch.arange(n, device=device), none, one, one * 0, one * 0)
+    ops.apply_token_bitmask(logits, torch.full((1, -(-vocab // 32)), -1, dtype=torch.int32, device=device))
 
 
 def _multi_branch(logits: torch.Tensor, rows: list[SampleRow], children: list[tuple[int, ...]],
