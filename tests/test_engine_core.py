@@ -180,9 +180,25 @@ def test_warm_up_on_a_gpu_also_prefills_a_long_prompt_and_samples_every_kernel_v
         assert max(ends) == longest
         assert penalised == ({1, 16, 17, "mask"} if device == "cuda" else set())
         vocab, dev = engine.config.vocab_size, engine.runner.device
-        every = {(num_chunks(rows, vocab, dev), f) for rows in range(1, engine.cfg.max_num_seqs + 1)
+        every = {(num_chunks(rows, vocab, dev), f) for rows in range(1, engine.cfg.max_num_batched_tokens + 1)
                  for f in (False, True)}
         assert (drawn >= every) == (device == "cuda"), drawn  # (on this CPU: 2 chunks up to 16 rows, 1 above)
+
+
+def test_sampling_warm_up_verifies_drafts_where_a_draft_model_proposes(monkeypatch):
+    from flashpage.engine.sampler import warm_up_sampling
+    from flashpage.kernels import reference
+    calls = []
+    monkeypatch.setattr(reference, "sample", lambda logits, *a, filtered, draft_tokens=None, draft_probs=None:
+                        calls.append((logits.shape[0], filtered, draft_tokens is not None)))
+    monkeypatch.setattr(reference, "apply_penalties", lambda *a: None)
+    monkeypatch.setattr(reference, "apply_token_bitmask", lambda *a: None)
+    for drafts in (False, True):
+        calls.clear()
+        warm_up_sampling(reference, 4096, torch.device("cpu"), 20, drafts=drafts)
+        # (on this CPU a row is cut in 2 up to 16 rows, in 1 above)
+        assert sorted(calls) == sorted((rows, f, d) for rows in (1, 17) for f in (False, True)
+                                       for d in ((False, True) if drafts else (False,)))
 
 
 def test_sampling_chunk_classes_are_one_batch_per_kernel_variant(monkeypatch):

@@ -223,7 +223,9 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         if self.cfg.device.startswith("cuda"):
-            warm_up_sampling(self.runner.model.ops, vocab, self.runner.device, self.cfg.max_num_seqs)
+            # (a step samples at most one row per token it carries)
+            warm_up_sampling(self.runner.model.ops, vocab, self.runner.device, self.cfg.max_num_batched_tokens,
+                             drafts=self.spec is not None and self.spec.method == "draft_model")
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (also done at exit); the engine cannot step after this."""

@@ -7,6 +7,7 @@ chosen tokens (and top-k where asked) are computed on the device too; nothing he
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -72,19 +73,22 @@ def sample_rows(ops, logits: torch.Tensor, rows: list[SampleRow], draft_tokens: 
     return Sampled(tokens, chosen, ranks, top.indices if top else None, top.values if top else None)
 
 
-def warm_up_sampling(ops, vocab: int, device: torch.device, max_rows: int) -> None:
+def warm_up_sampling(ops, vocab: int, device: torch.device, max_rows: int, drafts: bool = False) -> None:
     """Compile the sampling kernels' variants before requests need them: they compile once per chunk count, which
-    follows how many rows a step samples (`kernels/sampling.py`, chunk_classes), and per use of top-k/top-p.
+    follows how many rows a step samples (`kernels/sampling.py`, chunk_classes), per use of top-k/top-p, and
+    with `drafts` per draft verification (a draft model's proposals).
     Sampled requests reach few of them (a first request with the default sampling, temperature 1 and no top-p,
     waited 0.8 s for its variant on an H100 after a warm-up that drew with top-p only). Each, once, on zero
     logits; and the penalties' kernel (Triton compiles again for an entry count of 1 and for multiples of 16)
     and the grammar mask's."""
     for rows in chunk_classes(vocab, device, max_rows):
         ones = torch.ones(rows, device=device)
-        for top_p in (1.0, 0.9):
+        verify = {"draft_tokens": torch.full((rows,), -1, device=device),
+                  "draft_probs": torch.zeros(rows, vocab, device=device)}
+        for top_p, draft in itertools.product((1.0, 0.9), (False, True) if drafts else (False,)):
             ops.sample(torch.zeros(rows, vocab, device=device), ones, torch.full((rows,), vocab, dtype=torch.int32,
                        device=device), ones * top_p, ones * 0, torch.zeros(rows, dtype=torch.int64, device=device),
-                       filtered=top_p < 1)
+                       filtered=top_p < 1, **(verify if draft else {}))
     logits, one = torch.zeros(1, vocab, device=device), torch.ones(1, device=device)
     for n in (1, 16, 17):
         none = torch.zeros(n, dtype=torch.int32, device=device)
