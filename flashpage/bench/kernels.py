@@ -15,8 +15,8 @@ Peers: torch SDPA's backends and, when importable, FlashInfer (`flashpage.bench.
 its FA3 and FA2 backends, decode with tensor cores), its outputs compared with ours.
 `--kv-cache-dtype` also times decode over an FP8 or INT8 cache (the engine's scales) against the bf16 one, with the
 rate counted on the bytes it reads. `--fp8` also times the FP8 varlen prefill (inputs quantized per head) against
-the bf16 one, with its output's difference from the bf16 output and the e4m3 matmul rate. `--sparse` also times SparQ decode against the dense decode
-(`flashpage.bench.sparse`).
+the bf16 one, with its output's difference from the bf16 output and the e4m3 matmul rate. `--sparse` also times
+SparQ decode against the dense decode (`flashpage.bench.sparse`).
 """
 
 from __future__ import annotations
@@ -123,12 +123,16 @@ def causal_flops(q_len: int, k_len: int) -> float:
     return 4 * HQ * D * pairs
 
 
-def bench_prefill(seq_len: int, tiles=None) -> dict:
-    batch = PREFILL_TOKENS // seq_len
+def varlen_case(seq_len: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PREFILL_TOKENS tokens as sequences of seq_len: (sequences, q, k, v, cu_seqlens), random bf16."""
     q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    k, v = (torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.arange(0, PREFILL_TOKENS + 1, seq_len, device="cuda", dtype=torch.int32)
+    return PREFILL_TOKENS // seq_len, q, k, v, cu
+
+
+def bench_prefill(seq_len: int, tiles=None) -> dict:
+    batch, q, k, v, cu = varlen_case(seq_len)
     out = torch.empty_like(q)
     ours = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, tiles=tiles, out=out))
     portable = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True,
@@ -145,10 +149,7 @@ def bench_prefill(seq_len: int, tiles=None) -> dict:
 def bench_fp8_prefill(seq_len: int) -> dict:
     """The varlen prefill of `bench_prefill` with fp8=True (Hopper: `hopper_prefill.prefill_fp8`): the kernel alone on
     inputs already quantized, and with the quantization; its output's difference from the bf16 kernel's."""
-    batch = PREFILL_TOKENS // seq_len
-    q = torch.randn(PREFILL_TOKENS, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(PREFILL_TOKENS, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cu = torch.arange(0, PREFILL_TOKENS + 1, seq_len, device="cuda", dtype=torch.int32)
+    batch, q, k, v, cu = varlen_case(seq_len)
     out, out8 = torch.empty_like(q), torch.empty_like(q)
     bf16 = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, out=out))
     with_quantization = median_ms(lambda: flash_attn_varlen(q, k, v, cu, cu, seq_len, seq_len, causal=True, out=out8,
