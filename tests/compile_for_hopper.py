@@ -128,21 +128,21 @@ def main() -> None:
         inv.flash_attn_varlen(q, k, v, cu, cu, 23, 23)
         # the Hopper prefill (Gluon; the GPU dispatch picks it, CPU tensors never do): contiguous and paged K/V
         # (pages of 16 and of 64 keys), causal or not, with a window or not, FP8, head dims 64 and 128, the short
-        # items' tiles and the others
+        # items' tiles in persistent programs (2 for 4 work items: Q double-buffered) and the others one per item
         for dim in (64, 128):
             q, k = rand(40, 8, dim, dtype=dtype), rand(40, 2, dim, dtype=dtype)
-            for tiles in (hopper_prefill.SHORT_ITEM_TILES, hopper_prefill.default_tiles(dim)):
+            for tiles, programs in ((hopper_prefill.SHORT_ITEM_TILES, 2), (hopper_prefill.default_tiles(dim), 10**9)):
                 for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (7, 0))):
                     hopper_prefill.prefill(q, k, k, torch.empty_like(q), cu, cu, None, None, 23, 23, causal=causal,
-                                           sm_scale_log2=0.1, window_size=window, tiles=tiles, programs=4)
+                                           sm_scale_log2=0.1, window_size=window, tiles=tiles, programs=programs)
                 hopper_prefill.prefill_fp8(hopper_prefill.quantize_inputs(q, k, k, cu), torch.empty_like(q), cu, 23,
                                            23, causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
-                                           programs=4)
+                                           programs=programs)
                 for page in (16, 64):
                     pages = rand(8, page, 2, dim, dtype=dtype)
                     hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,
                                            causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
-                                           programs=4)
+                                           programs=programs)
     # float32 attention (tests' tiny models): float32 products, not TF32
     q, k = rand(40, 8, 64, dtype=torch.float32), rand(40, 2, 64, dtype=torch.float32)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)

@@ -35,6 +35,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -138,21 +139,27 @@ def _wait_turn(turn, j, WG: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-               WINDOW: gl.constexpr, FP8: gl.constexpr):
-    """Work item t: one row tile of one (sequence, KV head). Items are numbered row tile fastest, so a (sequence,
-    KV head)'s row tiles start together on neighbouring SMs and read its K/V while it is in L2; causal row tiles
-    further down see more keys and come first, so the short ones fill the tail. Returns the item's sequence, KV
-    head, first row, query and key spans, its keys [lo, hi) (lo at a key tile's start; the mask takes out what a
-    window hides of that tile), its key tiles, and whether it has any rows (a row tile past its sequence's queries
-    has none)."""
+def _item_rows(t, n_m, n_kv, CuSeqlensQ, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t's sequence, KV head, first row, and query span. Items are numbered row tile fastest, so a
+    (sequence, KV head)'s row tiles start together on neighbouring SMs and read its K/V while it is in L2; causal
+    row tiles further down see more keys and come first, so the short ones fill the tail."""
     m = t % n_m
-    pid_m = n_m - 1 - m if CAUSAL else m
     kv_head = (t // n_m) % n_kv
     seq = t // (n_m * n_kv)
     q_start = gl.load(CuSeqlensQ + seq)
     q_len = gl.load(CuSeqlensQ + seq + 1) - q_start
+    return seq, kv_head, (n_m - 1 - m if CAUSAL else m) * BLOCK_M, q_start, q_len
+
+
+@gluon.jit
+def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr, FP8: gl.constexpr):
+    """Work item t: one row tile of one (sequence, KV head) (_item_rows). Returns the item's sequence, KV head,
+    first row, query and key spans, its keys [lo, hi) (lo at a key tile's start; the mask takes out what a window
+    hides of that tile), its key tiles, and whether it has any rows (a row tile past its sequence's queries has
+    none)."""
+    seq, kv_head, row0, q_start, q_len = _item_rows(t, n_m, n_kv, CuSeqlensQ, BLOCK_M, CAUSAL)
     if PAGED:
         k_start = 0
         k_len = gl.load(SeqLensK + seq)
@@ -162,7 +169,6 @@ def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, wind
     else:
         k_start = gl.load(CuSeqlensK + seq)
         k_len = gl.load(CuSeqlensK + seq + 1) - k_start
-    row0 = pid_m * BLOCK_M
     first_pos = k_len - q_len + row0 // GROUP
     last_pos = gl.minimum(k_len - q_len + (row0 + BLOCK_M - 1) // GROUP, k_len - 1)
     lo = 0
@@ -179,23 +185,29 @@ def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, wind
 
 
 @gluon.jit
-def _gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-              ROWS: gl.constexpr):
-    """Load ROWS rows of Q from row0 (zeros past the sequence) into registers."""
+def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: gl.constexpr,
+              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    """Start copying work item t's ROWS rows of Q for warpgroup WG (zeros past the sequence) into q_smem: a
+    gather (the rows interleave heads, which no copy-engine box describes), asynchronous, so that a program's
+    next item's Q arrives while it computes this one. Completes with async_copy.wait_group."""
+    seq, kv_head, row0, q_start, q_len = _item_rows(t, n_m, n_kv, CuSeqlensQ, 2 * ROWS, CAUSAL)
+    row0 += WG * ROWS
     layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    return gl.load(Q + _row_offsets(rows, d, q_start, kv_head, stride_qt, stride_qh, GROUP),
-                   mask=(rows < q_len * GROUP)[:, None], other=0.0)
+    async_copy.async_copy_global_to_shared(q_smem, Q + _row_offsets(rows, d, q_start, kv_head, stride_qt, stride_qh,
+                                                                    GROUP), mask=(rows < q_len * GROUP)[:, None])
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _load_kv(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
+def _load_kv(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc,
+             v_desc,
              CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             FP8: gl.constexpr, WG: gl.constexpr):
+             FP8: gl.constexpr, Q_BUFS: gl.constexpr, WG: gl.constexpr):
     """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it, running on into
     the program's next work item while the consumers finish one. (Its arguments are the consumers':
     warp_specialize's workers share one signature.)"""
@@ -227,13 +239,14 @@ def _v_operand(v_smem, slot, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, row0, q_start,
-                 q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
+def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, row0,
+                 q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
                  stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, FP8: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
-    to Out. `tile` counts the ring's tiles before this item, `rnd` the tensor-core turns."""
+    to Out through o_smem (q_smem itself, but for FP8's 8-bit Q). `tile` counts the ring's tiles before this item,
+    `rnd` the tensor-core turns."""
     # wgmma layouts: one 16-row slice per warp; S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM], and P is S's
     # registers reused as O's left operand (4 e4m3 values in 32 bits, against 2 16-bit ones).
     K_STEP: gl.constexpr = 32 if FP8 else 16
@@ -308,38 +321,59 @@ def _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, 
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     if FP8:
         out = out * gl.load(Scales + kv_head * (GROUP + 2) + GROUP + 1)
-    out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-    out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP),
-             out.to(Out.dtype.element_ty), mask=(out_rows < q_len * GROUP)[:, None])
+    # through shared memory: from the accumulator's layout a thread would store 4 bytes per row, from a row
+    # layout 16 (docs/kernel-notes.md, "The output through shared memory")
+    o_smem.store(out.to(o_smem.dtype))
+    gl.thread_barrier()
+    layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
+    out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP), o_smem.load(layout),
+             mask=(out_rows < q_len * GROUP)[:, None])
 
 
 @gluon.jit
-def _consume(Q, Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc, v_desc,
+def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc,
+             v_desc,
              CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             FP8: gl.constexpr, WG: gl.constexpr):
-    """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items."""
+             FP8: gl.constexpr, Q_BUFS: gl.constexpr, WG: gl.constexpr):
+    """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items. Its Q
+    buffers are q_smem's [WG * Q_BUFS, (WG + 1) * Q_BUFS): with two, the next item's Q is copied in while this
+    item computes."""
     tile = 0  # key tiles consumed so far, over all of the program's items: the ring's position
     rnd = 0  # turns at the tensor cores so far (an item takes n_tiles + 1)
-    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+    j = 0  # the program's items so far
+    step = gl.num_programs(0)
+    if Q_BUFS == 2:
+        _gather_q(q_smem.index(WG * 2), Q, gl.program_id(0), n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP,
+                  HEAD_DIM, ROWS, CAUSAL, WG)
+    for t in range(gl.program_id(0), n_items, step):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
             PAGED, CAUSAL, WINDOW, FP8)
+        buf = WG * Q_BUFS + j % Q_BUFS
+        if Q_BUFS == 1:
+            gl.thread_barrier()  # the previous item's output, staged in this buffer, has been read
+            _gather_q(q_smem.index(buf), Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
+                      CAUSAL, WG)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        fence_async_shared()  # the tensor cores read shared memory through the async proxy
+        if Q_BUFS == 2 and t + step < n_items:  # (the other buffer's last item is done: output read, products too)
+            _gather_q(q_smem.index(WG * 2 + (j + 1) % 2), Q, t + step, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh,
+                      GROUP, HEAD_DIM, ROWS, CAUSAL, WG)
         if has_rows:
             row0 = row0 + WG * ROWS
-            # (the previous item's products, which read q_smem, have all completed)
-            q_smem.store(_gather_q(Q, row0, q_start, q_len, kv_head, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS))
-            gl.thread_barrier()
-            fence_async_shared()  # the tensor cores read shared memory through the async proxy
-            _attend_rows(Out, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, row0,
-                         q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
-                         window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL,
-                         WINDOW, FP8, WG)
+            _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+                         other_turn, Scales, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd,
+                         sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS,
+                         BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, WG)
             tile += n_tiles
             rnd += n_tiles + 1
+        j += 1
 
 
 # The block table's row stride is its width, the longest sequence of the step in pages; the work items' count and
@@ -350,12 +384,18 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-                    WINDOW: gl.constexpr, FP8: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    WINDOW: gl.constexpr, FP8: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
-    program takes work items program_id, program_id + num_programs, ... (_work_item)."""
+    program takes work items program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes
+    several (their Q double-buffered), else 1."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], k_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, ROWS, HEAD_DIM], k_desc.layout)
+    if FP8:  # the output is 16-bit
+        o_smem = gl.allocate_shared_memory(Out.dtype.element_ty, [2 * Q_BUFS, ROWS, HEAD_DIM],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
+    else:
+        o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     if FP8:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
@@ -375,28 +415,31 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     # every partition takes the same arguments (a worker's signature must match the others'), written out:
     # constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
-        (_consume, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
+        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
                     turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
                     n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, 0)),
-        (_consume, (Q, Out, q_smem.index(1), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, Q_BUFS,
+                    0)),
+        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
                     turns.index(0), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
                     n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, 1)),
-        (_load_kv, (Q, Out, q_smem.index(0), k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, Q_BUFS,
+                    1)),
+        (_load_kv, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
                     turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
                     n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, 0)),
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, Q_BUFS,
+                    0)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, consumer registers per thread, STAGES): two consumer warpgroups of 64 rows; the K/V
-    ring fills what shared memory the Q tile leaves."""
+    ring fills what shared memory the Q tiles leave."""
     return (128, 128, 240, 3) if head_dim == 128 else (128, 128, 240, 4)
 
 
-SHORT_ITEM_TILES = (128, 64, 240, 6)  # key tiles of 64 split the little work of short items finer
+SHORT_ITEM_TILES = (128, 64, 240, 5)  # key tiles of 64 split the little work of short items finer
 
 
 def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
@@ -471,15 +514,15 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     unused = cu_seqlens_q
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
     n_items = n_m * hkv * batch
-    programs = programs or (sm_count(q.device.index or 0) if short else n_items)
-    _prefill_kernel[(min(n_items, programs), )](
+    programs = min(n_items, programs or (sm_count(q.device.index or 0) if short else n_items))
+    _prefill_kernel[(programs, )](
         q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
         unused if scales is None else scales, n_items, n_m, hkv, sm_scale_log2, window_size[0], window_size[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PAGED=paged,
         PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1), FP8=scales is not None,
-        CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
+        Q_BUFS=2 if programs < n_items else 1, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
     return out
 
 
