@@ -10,8 +10,10 @@ takes one item, or, when the sequences are short, one program per SM walks many 
   compute, with the registers the producer gives up (setmaxnreg).
 - K and V tiles come through the tensor copy engine (TMA) into a ring of STAGES shared-memory slots with
   ready / empty barriers, so the loads of later tiles fly while the tensor cores work. A paged cache's tile is one
-  copy per page (pages of 16 keys are smaller than a good key tile). Q is gathered once by the consumers (its rows
-  interleave heads, which no copy-engine box describes).
+  copy per page (pages of 16 keys are smaller than a good key tile). The consumers gather Q with asynchronous
+  copies (its rows interleave heads, which no copy-engine box describes for every group size); a persistent
+  program's next item's Q arrives while it computes this one. The output goes out through shared memory, in
+  16-byte row stores.
 - Both products are warpgroup MMAs (wgmma): S = Q Kᵀ from shared memory, O += P V with P straight from registers.
 - Each consumer's loop is software-pipelined as in FA3: S for the next tile and P V for this one are issued
   together, and the next tile's softmax runs while the tensor cores still multiply P V; and the two consumers take
@@ -446,7 +448,7 @@ def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
     """Whether a row tile sees about 768 keys or fewer on average. Then a program's fixed costs (the Q gather,
     the first tile's copies, the output's store) are a large share of its work, and persistent programs (one
     per SM, each walking many work items, its producer copying the next item's first tiles while the consumers
-    finish one) hide them; with longer items the static assignment's imbalance costs more than that saves
+    finish one, and their Q copied in ahead) hide them; with longer items the static assignment's imbalance costs more than that saves
     (docs/kernel-notes.md, "Persistent programs for short sequences")."""
     keys = max_seqlen_k - max_seqlen_q / 2 if causal else max_seqlen_k
     return keys <= 768
