@@ -384,7 +384,8 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
 @gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
 def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr,
                     STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
                     WINDOW: gl.constexpr, FP8: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
@@ -448,8 +449,8 @@ def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
     """Whether a row tile sees about 768 keys or fewer on average. Then a program's fixed costs (the Q gather,
     the first tile's copies, the output's store) are a large share of its work, and persistent programs (one
     per SM, each walking many work items, its producer copying the next item's first tiles while the consumers
-    finish one, and their Q copied in ahead) hide them; with longer items the static assignment's imbalance costs more than that saves
-    (docs/kernel-notes.md, "Persistent programs for short sequences")."""
+    finish one, and their Q copied in ahead) hide them; with longer items the static assignment's imbalance costs
+    more than that saves (docs/kernel-notes.md, "Persistent programs for short sequences")."""
     keys = max_seqlen_k - max_seqlen_q / 2 if causal else max_seqlen_k
     return keys <= 768
 
