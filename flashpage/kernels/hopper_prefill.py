@@ -204,9 +204,8 @@ def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: 
 
 @gluon.jit
 def _load_kv(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc,
-             v_desc,
-             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2, window_left,
-             window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+             v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2,
+             window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
              FP8: gl.constexpr, Q_BUFS: gl.constexpr, WG: gl.constexpr):
@@ -336,9 +335,8 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
 
 @gluon.jit
 def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc,
-             v_desc,
-             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2, window_left,
-             window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+             v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2,
+             window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
              FP8: gl.constexpr, Q_BUFS: gl.constexpr, WG: gl.constexpr):
@@ -385,9 +383,9 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
 def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-                    WINDOW: gl.constexpr, FP8: gl.constexpr, Q_BUFS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, Q_BUFS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
     program takes work items program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes
     several (their Q double-buffered), else 1."""
