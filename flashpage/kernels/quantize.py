@@ -80,4 +80,3 @@ def quantize_heads(x: torch.Tensor, out: torch.Tensor | None = None, rows: torch
             x, scale, out, x if rows is None else rows, tokens, x.stride(0), x.stride(1), *out.stride(),
             FMAX=FP8_MAX, ROWS=rows is not None, D=dim, BLOCK_T=block, num_warps=4)
     return out, scale
-
