@@ -16,9 +16,10 @@ from flashpage.kernels import reference as ref
 from flashpage.loader import LoadedModel, build_empty, init_dummy_weights
 
 
-def tiny_engine(max_model_len: int = 4096, seed: int = 0, device: str = "cpu", **cfg) -> LLMEngine:
+def tiny_engine(max_model_len: int = 4096, seed: int = 0, device: str = "cpu", vocab_size: int = 512,
+                **cfg) -> LLMEngine:
     """A small random model with a long context and no EOS: fast, and lengths are exactly as asked."""
-    config = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=max_model_len)
     model = build_empty(config, torch.float32, torch.device(device))
@@ -93,6 +94,27 @@ def test_cuda_graph_decode_equals_eager():
             for t, da, db in zip(ca.token_ids, ca.logprobs or [], cb.logprobs or []):
                 assert da[t].logprob == pytest.approx(db[t].logprob, rel=1e-2, abs=1e-2)
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures GPU memory")
+def test_cache_leaves_room_for_the_largest_steps():
+    """The runner measures a full step's memory before it sizes the cache: a cache that fills the device to
+    gpu_memory_utilization must leave room for a step of max_num_batched_tokens tokens over max_num_seqs sampled
+    sequences (here 1,024 rows of a 128k vocabulary drawn with top-p), and for the CUDA graphs."""
+    util = 0.995
+    engine = tiny_engine(max_model_len=1 << 19, device="cuda", gpu_memory_utilization=util, max_num_seqs=1024,
+                         max_num_batched_tokens=16384, vocab_size=128256)
+    assert engine.runner.num_blocks < 1024 * (1 << 19) // 16  # the device's memory, not the sequences, bounds it
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    other = total - free - torch.cuda.memory_reserved()  # the CUDA context, libraries' workspaces
+    torch.cuda.reset_peak_memory_stats()
+    outs = run(engine, [[i % 500] * 16 for i in range(1024)], SamplingParams(temperature=1.0, top_p=0.9,
+                                                                            max_tokens=3, seed=1))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3] * 1024
+    used = other + torch.cuda.max_memory_allocated()
+    assert used <= util * total, f"{used / 2**30:.2f} GiB used at the peak, {util * total / 2**30:.2f} allowed"
 
 TEXTS = [
     "Hi", "The capital of France is", "1 2 3 4 5 6", "Once upon a time, in a land far away, there lived a wise old owl who",

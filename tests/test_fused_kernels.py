@@ -63,6 +63,15 @@ def test_linear(rows, n, k, fused, dtype):
     tall = rand(17, k, dtype=dtype)  # over the fused kernel's row limit
     tall_kw = {**kw, "residual": rand(17, n, dtype=dtype) if kw["residual"] is not None else None}
     assert rel_err(tri.linear(tall, weight, **tall_kw), linear_float64(tall, weight, **tall_kw)) < tol
+    # into a given buffer (a CUDA graph's logits): rows of a wider poisoned one, both paths, every implementation
+    for a, a_kw in ((x, kw), (tall, tall_kw)):
+        for impl in (tri, ref):
+            buf = torch.full((a.shape[0] + 3, n), float("nan"), dtype=torch.float32)
+            got = impl.linear(a, weight, **a_kw, out_dtype=torch.float32, out=buf[:a.shape[0]])
+            assert got.data_ptr() == buf.data_ptr() and rel_err(buf[:a.shape[0]], linear_float64(a, weight, **a_kw)) < tol
+            assert buf[a.shape[0]:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        tri.linear(x, weight, **kw, out=torch.empty(rows, n + 1, dtype=dtype))
     assert tri.linear(x[:0], weight, **{**kw, "residual": None}).shape == (0, n)
 
 

@@ -28,12 +28,13 @@ from flashpage.engine.config import EngineConfig
 from flashpage.engine.inputs import prepare_inputs, upload
 from flashpage.engine.sampler import sample_rows
 from flashpage.engine.spec import target_feature_layers
-from flashpage.engine.step import SampledToken, SampleSpec, StepPlan, StepResult
+from flashpage.engine.step import SampledToken, SampleRow, SampleSpec, SeqStep, StepPlan, StepResult
 from flashpage.kernels.fp8 import check_fp8_support
 from flashpage.kv import KV_CACHE_DTYPES, allocate_kv_caches, kv_bytes_per_block
 from flashpage.loader import LoadedModel, load_model
 from flashpage.model import AttentionMetadata
 from flashpage.parallel.group import TensorParallel
+from flashpage.sampling_params import SamplingParams
 
 log = logging.getLogger("flashpage.runner")
 
@@ -145,6 +146,17 @@ class ModelRunner:
         self.kv_dtype = KV_CACHE_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
         if cfg.kv_cache_dtype == "fp8":
             check_fp8_support(self.device, "kv_cache_dtype 'fp8'")
+        # A proposer that drafts from the target's own features (Medusa, EAGLE) reads the residual streams at the
+        # input of these layers (the layer count: the last layer's output) at every token a step computed
+        # (StepResult.hidden); graphs are captured with them.
+        self.feature_layers = target_feature_layers(cfg.speculative, self.config.num_hidden_layers)
+        # (batch size, tokens per sequence) -> (graph, its features or None, logits); captured after the cache
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None, torch.Tensor]] = {}
+        spec = cfg.speculative
+        # a verify graph's tokens per sequence: its last token and the longest proposal; one that serves token trees
+        # reads a query mask (kernels/tree.py) for every row
+        self.verify_len = spec.max_proposal + 1 if spec else 0
+        self.verify_masked = spec is not None and spec.proposes_trees
         self.num_blocks = tp.min(cfg.num_gpu_blocks or self._blocks_that_fit(reserve_per_block))  # same on every rank
         if self.num_blocks < 1:
             raise ValueError("no memory left for the KV cache; lower the model size or raise the memory settings")
@@ -159,17 +171,6 @@ class ModelRunner:
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
-        # A proposer that drafts from the target's own features (Medusa, EAGLE) reads the residual streams at the
-        # input of these layers (the layer count: the last layer's output) at every token a step computed
-        # (StepResult.hidden); graphs are captured with them.
-        self.feature_layers = target_feature_layers(cfg.speculative, self.config.num_hidden_layers)
-        # (batch size, tokens per sequence) -> (graph, its features or None, logits)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor | None, torch.Tensor]] = {}
-        spec = cfg.speculative
-        # a verify graph's tokens per sequence: its last token and the longest proposal; one that serves token trees
-        # reads a query mask (kernels/tree.py) for every row
-        self.verify_len = spec.max_proposal + 1 if spec else 0
-        self.verify_masked = spec is not None and spec.proposes_trees
         if self.device.type == "cuda" and not cfg.enforce_eager:
             sizes = graph_batch_sizes(cfg.max_num_seqs)
             # verify steps only run at batch sizes where speculation is on
@@ -181,12 +182,56 @@ class ModelRunner:
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
                                                            c.head_dim, self.kv_dtype, self.sparq_cache)
         if self.device.type == "cuda":
+            steps = self._step_memory()
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total
+            budget = free - (1 - cfg.gpu_memory_utilization) * total - steps
+            log.info("steps need %.2f GiB at their peak (measured); %.2f GiB left for the KV cache", steps / 2**30,
+                     max(budget, 0) / 2**30)
         else:
             budget = cfg.cpu_kv_cache_gb * 2**30
         useful = cfg.max_num_seqs * -(-cfg.max_model_len // self.block_size)  # more could never be used
         return int(min(budget // per_block, useful))
+
+    def _step_memory(self) -> int:
+        """Bytes the steps will need beside the weights and the cache, measured before the cache is allocated (as
+        vLLM profiles): the peak of the largest eager step (max_num_batched_tokens prompt tokens over up to
+        max_num_seqs sequences, every logits row a sequence can give drawn with top-p, the costliest draw), plus
+        that of a decode step of max_num_seqs sequences, which the CUDA graphs' pool will keep. Each runs on a
+        cache just large enough for it."""
+        cfg, rows = self.cfg, max(self.verify_len, 1)
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len)
+        seqs = min(cfg.max_num_seqs, tokens)
+        prompts = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        # (and the last step's logits, which the next step keeps while it runs: the engine overlaps them)
+        held = min(tokens, cfg.max_num_seqs * rows) * self.config.vocab_size * 4
+        return held + sum(self._step_peak(lens) for lens in (prompts, [rows] * cfg.max_num_seqs))
+
+    @torch.inference_mode()
+    def _step_peak(self, lens: list[int]) -> int:
+        """The memory one eager step over prompts of these lengths allocates at its peak beyond its cache, sampling
+        every logits row each can give (a verify step's worth with speculation)."""
+        dev, bs, rows = self.device, self.block_size, max(self.verify_len, 1)
+        plan, blocks, draw = StepPlan(), 0, SamplingParams(temperature=1.0, top_p=0.9)
+        for i, n in enumerate(lens):
+            first = plan.add(SeqStep(i, [0] * n, list(range(n)), list(range(blocks, blocks - (-n // bs))),
+                                     num_logits=min(n, rows)))
+            plan.samples += [SampleSpec(i, first + j, SampleRow(draw, (), 0, seed=i)) for j in range(min(n, rows))]
+            blocks -= -n // bs
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        c = self.config
+        self.kv_caches = allocate_kv_caches(c.num_hidden_layers, blocks, bs, self.num_kv_heads, c.head_dim,
+                                            self.kv_dtype, dev, sparq=self.sparq_cache)
+        cache = torch.cuda.memory_allocated(dev) - base
+        torch.cuda.reset_peak_memory_stats(dev)
+        logits = self.forward(plan)[0]
+        sample_rows(self.model.ops, logits, [s.row for s in plan.samples])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base - cache
+        del self.kv_caches, logits
+        torch.cuda.empty_cache()
+        return peak
 
     # ----- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -329,6 +374,9 @@ class ModelRunner:
             "query_mask": torch.full((tokens,), -1, dtype=torch.int64, device=dev),
             # cu_seqlens for each query length (a graph keeps the addresses it was captured with, not the tensors)
             **{f"cu{q_}": torch.arange(0, (top + 1) * q_, q_, dtype=torch.int32, device=dev) for _, q_ in keys},
+            # every graph's logits: outputs of their own would each stay allocated, together a row per graph batch
+            # size summed (17 GB for batches up to 1,024 and a vocabulary of 128k)
+            "logits": torch.empty(tokens, self.config.vocab_size, dtype=torch.float32, device=dev),
         }
         pool = None
         with torch.inference_mode():
@@ -340,7 +388,7 @@ class ModelRunner:
 
                 def run():
                     hidden, features = self._model(st["ids"][:n], meta)
-                    return features, self.model.compute_logits(hidden)
+                    return features, self.model.compute_logits(hidden, out=st["logits"][:n])
                 run()  # compiles the Triton kernels for this shape outside the capture
                 torch.cuda.synchronize(dev)
                 graph = torch.cuda.CUDAGraph()

@@ -37,11 +37,11 @@ SAMPLING_CHUNKS = 16  # pieces per logits row, whatever the batch
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None):
+           weight_scale=None, out=None):
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     return invariant_linear(x, weight, bias, silu_mul=silu_mul, residual=residual, out_dtype=out_dtype,
-                            weight_scale=weight_scale)
+                            weight_scale=weight_scale, out=out)
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,

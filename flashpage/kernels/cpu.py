@@ -29,7 +29,7 @@ def rms_norm(x, weight, eps):
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None):
+           weight_scale=None, out=None):
     """The reference's composition with packed products. GGUF's 4-bit codes (a uint8 weight) multiply as stored
     below INT4_ROWS rows, where a product streams the weights; from there on the 4-bit kernel is compute-bound and
     slower than bfloat16, so the codes are dequantized once into a kept copy in the model's dtype (docs/cpu.md)."""
@@ -38,7 +38,7 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
         weight = _kept(weight, f"dequantized {dtype}", lambda w: dequantize_int4(w, weight_scale).to(dtype))
         weight_scale = None
     return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
-                           weight_scale, product=packed_product)
+                           weight_scale, product=packed_product, out=out)
 
 
 INT4_ROWS = 8  # one model's 4-bit products took 3.1 ms at 1 row, 10.1 at 8 and 20.0 at 16; bfloat16 packed ~10.3

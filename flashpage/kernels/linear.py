@@ -100,16 +100,18 @@ def _tiles(silu_mul: bool) -> tuple[int, int, int, int]:
 
 
 def skinny_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, weight_scale=None,
-                  tiles=None):
+                  tiles=None, out=None):
     """x [M <= 16, K], weight [N, K] -> [M, N] (or [M, N / 2] with silu_mul); an FP8 weight comes with its
-    `weight_scale` [N]. See the module docstring. `tiles` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    `weight_scale` [N]. See the module docstring. `tiles` overrides (BLOCK_N, BLOCK_K, num_warps, num_stages);
+    `out` (of out_dtype) receives the result, else a new tensor."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}")
     return _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale,
-                   (MAX_ROWS, *(tiles or _tiles(silu_mul))))
+                   (MAX_ROWS, *(tiles or _tiles(silu_mul))), out=out)
 
 
-def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, weight_scale=None):
+def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out_dtype=None, weight_scale=None,
+                     out=None):
     """As skinny_linear, for any number of rows, each row's result independent of the others (module docstring)."""
     m = x.shape[0]
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of the sweep's shapes at each size on an H100
@@ -119,18 +121,18 @@ def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out
         tiles = (MAX_ROWS, *_tiles(silu_mul))
     else:
         tiles = (64, 64, 128, 4, 3) if m <= 128 else (128, 128, 64, 8, 3)
-    return _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles)
+    return _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles, out=out)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None,
-               out_dtype=None, tiles=None):
+               out_dtype=None, tiles=None, out=None):
     """x [M, K] (16-bit) @ (e4m3 weight [N, K] * weight_scale [N]).T on FP8 tensor cores: x (or rms_norm(x,
     norm_weight, eps)) quantized per row by `quantize_rows`, then this module's kernel with skinny_linear's
     epilogues. [M, N] (or [M, N / 2]) in x's dtype or `out_dtype`. `tiles` overrides (BLOCK_M, BLOCK_N, BLOCK_K,
     num_warps, num_stages)."""
     xq, x_scale = quantize_rows(x, norm_weight, eps)
     return _linear(xq, weight, bias, silu_mul, residual, out_dtype or x.dtype, weight_scale,
-                   tiles or _fp8_tiles(x.shape[0], silu_mul), x_scale)
+                   tiles or _fp8_tiles(x.shape[0], silu_mul), x_scale, out)
 
 
 def _fp8_tiles(m: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
@@ -143,13 +145,17 @@ def _fp8_tiles(m: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
     return (64, 64, 256, 4, 3) if m <= 128 else (64, 64, 128, 4, 4)
 
 
-def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles, x_scale=None):
+def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles, x_scale=None, out=None):
     m, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(f"linear needs x [M, K] and weight [N, K] with unit inner strides, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != (out_dtype or x.dtype) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {n}] {out_dtype or x.dtype} with a unit inner stride, got "
+                         f"{list(out.shape)} {out.dtype}")
     if residual is not None and residual.shape != out.shape:
         raise ValueError(f"residual must be {tuple(out.shape)}, got {tuple(residual.shape)}")
     if m == 0:

@@ -123,12 +123,13 @@ def silu_and_mul(x):
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None):
+           weight_scale=None, out=None):
     """A projection with its decoder-layer neighbours: [silu_and_mul](norm(x) @ weight.T + bias) + residual.
     With `weight_scale` [N] the weight is FP8 (e4m3), one scale per output feature (`flashpage.kernels.fp8`); with
-    a uint8 weight, GGUF's 4-bit codes packed, and `weight_scale` its groups' (scale, zero) (`flashpage.kernels.int4`)."""
+    a uint8 weight, GGUF's 4-bit codes packed, and `weight_scale` its groups' (scale, zero) (`flashpage.kernels.int4`).
+    `out`: the tensor to write the result to (of out_dtype), else a new one."""
     return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
-                           weight_scale)
+                           weight_scale, out=out)
 
 
 def dense_product(x, weight, bias, residual):
@@ -139,7 +140,7 @@ def dense_product(x, weight, bias, residual):
 
 
 def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
-                    weight_scale=None, quantize_rows=quantize_rows, product=dense_product):
+                    weight_scale=None, quantize_rows=quantize_rows, product=dense_product, out=None):
     """`linear` from separate kernels (these references, or Triton's above the fused kernel's row limit)."""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
@@ -152,6 +153,10 @@ def composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, s
         y = product(x, weight, bias, residual)
     if silu_mul:
         y = silu_and_mul(y)
+    if out is not None:
+        if out.shape != y.shape or out.dtype != (out_dtype or y.dtype):
+            raise ValueError(f"out must be {list(y.shape)} {out_dtype or y.dtype}, got {list(out.shape)} {out.dtype}")
+        return out.copy_(y)
     return y if out_dtype is None else y.to(out_dtype)
 
 

@@ -28,7 +28,7 @@ FP8_KERNEL_ROWS = 200
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None):
+           weight_scale=None, out=None):
     """Up to 16 rows of 16-bit data (decode): the norm kernel, then one kernel that streams the weight (FP8 ones
     dequantized in registers) with the rest fused. FP8 weights at more rows: the activations quantized per token
     (the norm in the same kernel), then up to FP8_KERNEL_ROWS rows the Triton kernel with the rest fused, beyond
@@ -38,12 +38,13 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
         if norm_weight is not None:
             x = rms_norm(x, norm_weight, eps)
         return skinny_linear(x, weight, bias, silu_mul=silu_mul, residual=residual, out_dtype=out_dtype,
-                             weight_scale=weight_scale)
+                             weight_scale=weight_scale, out=out)
     if weight.dtype == FP8 and x.dtype == torch.bfloat16:
         if x.shape[0] <= FP8_KERNEL_ROWS:
             return fp8_linear(x, weight, weight_scale, bias, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul,
-                              residual=residual, out_dtype=out_dtype)
+                              residual=residual, out_dtype=out_dtype, out=out)
         return composed_linear(rms_norm, silu_and_mul, x, weight, bias, None, 0.0, silu_mul, residual, out_dtype,
-                               weight_scale, functools.partial(quantize_rows, norm_weight=norm_weight, eps=eps))
+                               weight_scale, functools.partial(quantize_rows, norm_weight=norm_weight, eps=eps),
+                               out=out)
     return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
-                           weight_scale, quantize_rows)
+                           weight_scale, quantize_rows, out=out)

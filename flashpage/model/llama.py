@@ -268,14 +268,15 @@ class LlamaForCausalLM(nn.Module):
             features.append(h)
         return h, features[0] if len(features) == 1 else torch.cat(features, -1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of rows of `forward`'s output (every rank gets all of them)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits of rows of `forward`'s output (every rank gets all of them), written to `out` if given."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.ops.linear(hidden, weight, norm_weight=self.norm.weight, eps=self.norm.eps, out_dtype=torch.float32)
+        logits = self.ops.linear(hidden, weight, norm_weight=self.norm.weight, eps=self.norm.eps,
+                                 out_dtype=torch.float32, out=out if self.tp.size == 1 else None)
         if self.tp.size == 1:
             return logits
-        logits = self.tp.gather_last_dim(logits)
-        return logits if logits.shape[-1] == self.config.vocab_size else logits[:, :self.config.vocab_size].contiguous()
+        logits = self.tp.gather_last_dim(logits)[:, :self.config.vocab_size]
+        return logits.contiguous() if out is None else out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand tensors named as in transformers to their parameters' loaders (any dtype/device; one at a time).
