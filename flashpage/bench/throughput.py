@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from flashpage.bench.common import layer_matrix_params, matmul_tflops
+from flashpage.engine.config import EngineConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs, help="the engine setting")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="the engine setting")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting); the "
                    "compute floor stays the bf16 one")

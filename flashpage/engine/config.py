@@ -38,8 +38,8 @@ class EngineConfig:
     num_gpu_blocks: int | None = _setting(None, "KV cache size in blocks (default: from the memory settings)")
     gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the GPU's memory flashpage may fill")
     cpu_kv_cache_gb: float = _setting(1.0, "CPU: KV cache size in GiB")
-    max_num_seqs: int = _setting(256, "sequences per step at most")
-    max_num_batched_tokens: int = _setting(8192, "tokens per step at most; longer prompts are prefilled in chunks")
+    max_num_seqs: int = _setting(512, "sequences per step at most")
+    max_num_batched_tokens: int = _setting(16384, "tokens per step at most; longer prompts are prefilled in chunks")
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompts seen before")
     enforce_eager: bool = _setting(False, "CUDA: no CUDA graphs, every step eager")
     overlap: bool = _setting(True, "schedule step N+1 before reading step N's tokens back")
@@ -113,18 +113,20 @@ class EngineConfig:
         return cls(**settings)
 
     @classmethod
-    def add_cli_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """One option per setting: --max-num-seqs N, --enable-prefix-caching / --no-enable-prefix-caching, ..."""
+    def add_cli_arguments(cls, parser: argparse.ArgumentParser, **defaults) -> None:
+        """One option per setting: --max-num-seqs N, --enable-prefix-caching / --no-enable-prefix-caching, ...;
+        `defaults` replaces some settings' defaults for this command."""
         for f in dataclasses.fields(cls):
             flag, kind, meta = "--" + f.name.replace("_", "-"), _TYPES[f.name], f.metadata
-            default = f"default {f.default}" if f.default is not None else "optional"
+            value = defaults.get(f.name, f.default)
+            default = f"default {value}" if value is not None else "optional"
             if kind is bool:
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value,
                                     help=f"{meta['help']} ({default})")
             elif kind is dict:
-                parser.add_argument(flag, type=_json_object, default=f.default, help=f"{meta['help']} ({default})")
+                parser.add_argument(flag, type=_json_object, default=value, help=f"{meta['help']} ({default})")
             else:
-                parser.add_argument(flag, type=kind, default=f.default, choices=meta["choices"],
+                parser.add_argument(flag, type=kind, default=value, choices=meta["choices"],
                                     help=f"{meta['help']} ({default})")
 
     @classmethod
