@@ -292,3 +292,20 @@ def test_block_sparse_engine(smollm_llm):
     assert engine.stats()["prefix_cache_hits"] >= 240
     want_tokens, want_lps = generated(engine_from(smollm_llm, sparse_attention=narrow, enable_prefix_caching=False))
     assert tokens == want_tokens and lps == pytest.approx(want_lps, abs=1e-4)
+
+
+def test_passkey_retrieval_check(smollm_llm):
+    """The quality bench's retrieval prompts: the key stated past the first 64-token block, about a quarter of the
+    way in, the prompt about as long as asked; the default model, attending densely, answers with the key (so a
+    sparse mode that misses it shows)."""
+    from flashpage.bench.quality import passkey_prompt
+
+    tok = smollm_llm.tokenizer
+    keys = ["48213", "90517"]
+    prompts = [passkey_prompt(tok, key, 400) for key in keys]
+    for key, text in zip(keys, prompts):
+        ids = tok.encode(text)
+        where = len(tok.encode(text[:text.index(key)]))
+        assert 350 <= len(ids) <= 450 and 64 < where < 0.4 * len(ids), (len(ids), where)
+    outs = run(engine_from(smollm_llm), [tok.encode(p) for p in prompts], SamplingParams(temperature=0, max_tokens=8))
+    assert [key in o.outputs[0].text for key, o in zip(keys, outs)] == [True, True], [o.outputs[0].text for o in outs]

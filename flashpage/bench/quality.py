@@ -11,10 +11,10 @@ pieces of the same text) equal float32's.
 `--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
 keys (`bench.sparse.pattern_for`), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
 head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if decoded in turn: `"prompt":
-true`): perplexity of the second half of a window of each of --contexts tokens; and a retrieval check: a password
-stated at the start of about --retrieval-tokens tokens of the same text, asked for at the end, answered greedily
-(SparQ decodes the answer over a densely prefilled prompt, as served; block-sparse prefills the prompt, the answer
-decoded densely), hits out of 10.
+true`): perplexity of the second half of a window of each of --contexts tokens; and a retrieval check: a pass key
+stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at the end, answered greedily
+(`passkey_prompt`; SparQ decodes the answer over a densely prefilled prompt, as served; block-sparse prefills the
+prompt, the answer decoded densely), hits out of 10.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -42,6 +43,20 @@ def perplexity(llm, ids: list[int], window: int) -> float:
 SPARQ_BUDGETS = {"1/8": (8, 16), "1/4": (4, 8)}  # (head_dim / r, context / k)
 
 
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_prompt(tokenizer, key: str, tokens: int, depth: float = 0.25) -> str:
+    """Passkey retrieval (Mohtashami and Jaggi, 2023): a pass key stated `depth` of the way into about `tokens`
+    tokens of filler, asked for at the end. The filler is trivially predictable, so a model that attends densely
+    finds the key, and a sparse mode that loses it shows; stated past the first 64-token block, it is no sink."""
+    repeats = max(1, round(tokens / len(tokenizer.encode(PASSKEY_FILLER))))
+    before = round(repeats * depth)
+    return ("There is important information hidden inside a lot of irrelevant text. Find it and memorize it. I will "
+            f"quiz you about it.\n{PASSKEY_FILLER * before}The pass key is {key}. Remember it. {key} is the pass key. "
+            f"{PASSKEY_FILLER * (repeats - before)}\nWhat is the pass key? The pass key is")
+
+
 def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int,
                    methods: tuple[str, ...] = ("sparq", "block")) -> dict:
     from flashpage import LLM, SamplingParams
@@ -57,16 +72,13 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         lps = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]][n // 2:]
         return math.exp(-sum(lps) / len(lps))
 
-    words = ["lantern", "orchid", "granite", "saffron", "meadow", "copper", "harbor", "velvet", "thistle", "falcon"]
-    filler = base.tokenizer.decode(ids[:retrieval_tokens])
-    prompts = [f"The secret password is {w}. Remember it.\n\n{filler[i * 997 % 4000:]}\n\nQuestion: what is the "
-               f"secret password given at the start of this text?\nAnswer: The secret password is" for i, w in
-               enumerate(words)]
-    greedy = SamplingParams(max_tokens=6, temperature=0)
+    keys = [str(random.Random(i).randrange(10_000, 100_000)) for i in range(10)]
+    prompts = [passkey_prompt(base.tokenizer, key, retrieval_tokens) for key in keys]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
 
     def hits(llm):
         outs = llm.generate(prompts, greedy, use_tqdm=False)
-        return sum(w in o.outputs[0].text.lower() for w, o in zip(words, outs))
+        return sum(key in o.outputs[0].text for key, o in zip(keys, outs))
 
     dense = {n: tail_perplexity(base, n) for n in contexts}
     result = {"contexts": contexts, "dense_perplexity": dense, "dense_retrieval_hits": hits(base), "rows": []}
