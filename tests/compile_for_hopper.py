@@ -45,7 +45,6 @@ def main() -> None:
     from flashpage.kernels import batch_invariant as inv
     from flashpage.kernels import hopper_prefill
     from flashpage.kernels import triton_ops as tri
-    from flashpage.kernels.block_sparse import BlockSparsePattern
     from flashpage.kv import KVCache
 
     def rand(*shape, dtype=torch.bfloat16):
@@ -87,12 +86,6 @@ def main() -> None:
                             torch.tensor([0, 2, 4], dtype=torch.int32), lens, 2, query_mask=tree[:4])
         tri.paged_attention(decode[0], KVCache(small_pages.to(torch.int8), small_pages.to(torch.int8),
                                                torch.ones(16, 2, 8), torch.ones(16, 2, 8)), table, decode[1], lens, 1)
-        # block-sparse prefill: prefill tiles, and a few queries each (copy-engine tiles)
-        pattern = BlockSparsePattern(64, 1, 2, 3)
-        tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), table,
-                            torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5, block_sparse=pattern)
-        tri.paged_attention(rand(4, 8, 128, dtype=dtype), KVCache(cache, cache), table,
-                            torch.tensor([0, 2, 4], dtype=torch.int32), lens, 2, block_sparse=pattern)
         # SparQ decode (4 and 3 query heads per KV head; r under and at 16) and its cache extras
         sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))
         for heads, r in ((8, 16), (6, 8)):

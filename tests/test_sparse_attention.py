@@ -4,12 +4,16 @@ prefix caching, copy-on-write, preemption, stats)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from conftest import DEVICE, engine_from, rel_err
 from flashpage import SamplingParams
+from flashpage.engine.inputs import paged_view
 from flashpage.errors import ParameterError
+from flashpage.kernels import cpu as cpu_kernels
 from flashpage.kernels import reference as ref
 from flashpage.kernels import sparq
 from flashpage.kernels import triton_ops as tri
@@ -202,6 +206,7 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "block", "local": 0}, {}, "local must be an integer >= 1"),
     ({"method": "block", "block": 96}, {}, "block must be a multiple of 64"),
     ({"method": "block", "stride": 1}, {}, "stride 1 would make every block a line"),
+    ({"method": "block", "block": 64}, {"block_size": 128}, "block must be a multiple of the cache's block_size"),
     ({"method": "block", "k": 8}, {}, "k does not apply to method block"),
     ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
@@ -227,24 +232,78 @@ def test_block_sparse_pattern_counts_keys():
         assert not bool(mask.triu(1).any()) and bool(mask.diagonal().all())
 
 
+def test_split_lists_exactly_the_keys_the_pattern_shows():
+    """Random patterns, page sizes and chunks: mapping each split sequence's keys back through its block table to
+    positions in the real cache, its queries (causal within it) see exactly what `pattern.visible` shows each of
+    them; the queries keep their order; a one-token chunk stays whole."""
+    rng = random.Random(0)
+    for _ in range(100):
+        pattern = BlockSparsePattern(64 * rng.randint(1, 2), rng.randint(0, 3), rng.randint(1, 4), rng.choice([0, 2, 3, 5]))
+        page, n = rng.choice([8, 16, 64]), rng.randint(1, 400)
+        q = rng.randint(1, n)
+        table = rng.sample(range(1000), -(-n // page))
+        q_lens, k_lens, tables = pattern.split([q], [n], [table], page)
+        pos = torch.arange(n)
+        want = pattern.visible(pos[n - q:], pos) if q > 1 else pos[None, :] <= n - 1
+        got = torch.zeros(q, n, dtype=torch.bool)
+        row = 0
+        for q_len, k_len, pages in zip(q_lens, k_lens, tables):
+            real = torch.tensor([table.index(pages[j // page]) * page + j % page for j in range(k_len)])
+            for i in range(q_len):
+                got[row + i, real[:k_len - q_len + i + 1]] = True
+            row += q_len
+        assert row == q and torch.equal(got, want), (pattern, page, n, q)
+        assert (len(q_lens) == 1) == (q == 1 or (n - q) // pattern.block == (n - 1) // pattern.block)
+
+
+def masked_by_pattern(pattern, q, cache, table, cu_q, seq_lens):
+    """Attention of each sequence's queries (the last of its keys) over its keys in a paged cache, each query seeing
+    what `pattern.visible` says (a sequence decoding one token: every key), float64, written plainly."""
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    page = cache.block_size
+    for i, n in enumerate(seq_lens.tolist()):
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        keys, values = (x.flatten(0, 1)[:n] for x in ref.read_pages(cache, table[i, :-(-n // page)], torch.float64))
+        pos = torch.arange(n, device=q.device)
+        seen = pos[None, :] <= pos[n - (rows.stop - rows.start):, None]
+        if rows.stop - rows.start > 1:
+            seen = seen & pattern.visible(pos[n - (rows.stop - rows.start):], pos)
+        group = q.shape[1] // keys.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q[rows].double(), keys.repeat_interleave(group, 1)) * q.shape[-1] ** -0.5
+        p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        out[rows] = torch.einsum("hqk,khd->qhd", p, values.repeat_interleave(group, 1))
+    return out
+
+
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("lens_k,lens_q,page,hq,hkv,dim", [
     ([700, 300, 90], [700, 1, 37], 16, 8, 2, 64),  # a whole prompt, a decode (dense), a chunk after a prefix
     ([520, 260], [200, 3], 32, 9, 3, 128),  # chunks; three queries take the copy-engine tiles on Hopper
+    ([333, 64], [333, 64], 64, 4, 4, 64),  # pages as large as the pattern's blocks
 ])
 def test_block_sparse_prefill_matches_reference(pattern, lens_k, lens_q, page, hq, hkv, dim):
-    """The Triton paged prefill under a pattern (skipping the tiles it hides) against float64 attention masked by
-    the pattern, as accurate as the dense kernel is against dense attention; sequences decoding one token stay
-    dense."""
+    """The batch split by the pattern (each block of a chunk's queries a sequence over the pages it sees), through
+    the Triton paged prefill, against float64 attention masked by the pattern, as accurate as the dense kernel is
+    against dense attention; a sequence decoding one token stays dense. The CPU kernels give the same."""
     torch.manual_seed(sum(lens_k) + pattern.local)
     k, v, table, seq_lens, cu_q = paged_case(lens_k, lens_q, page, hkv, dim, torch.bfloat16)
     q = torch.randn(int(cu_q[-1]), hq, dim, device=DEVICE, dtype=torch.bfloat16)
     cache = KVCache(k, v)
     out = torch.full_like(q, float("nan"))
-    tri.paged_attention(q, cache, table, cu_q, seq_lens, max(lens_q), block_sparse=pattern, out=out)
+    tables = [row[:-(-n // page)].tolist() for row, n in zip(table, seq_lens.tolist())]
+    split = pattern.split((cu_q[1:] - cu_q[:-1]).tolist(), seq_lens.tolist(), tables, page)
+    view = paged_view(*split, torch.device(DEVICE))
+    tri.paged_attention(q, cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q, out=out)
     double = KVCache(k.double(), v.double())
-    want = ref.paged_attention(q.double(), double, table, cu_q, seq_lens, max(lens_q), block_sparse=pattern)
+    want = masked_by_pattern(pattern, q, double, table, cu_q, seq_lens)
     dense = ref.paged_attention(q.double(), double, table, cu_q, seq_lens, max(lens_q))
+    assert rel_err(masked_by_pattern(BlockSparsePattern(64, 0, 10**6, 0), q, double, table, cu_q, seq_lens),
+                   dense) < 1e-12  # (the oracle itself, with a pattern that hides nothing)
+    cpu_view = paged_view(*split, torch.device("cpu"))
+    cpu_out = cpu_kernels.paged_attention(q.cpu().float(), KVCache(k.cpu().float(), v.cpu().float()),
+                                          cpu_view.block_table, cpu_view.cu_seqlens_q, cpu_view.seq_lens_k,
+                                          cpu_view.max_seqlen_q)
+    assert rel_err(cpu_out.double(), want.cpu()) < 1e-5
     dense_kernel = tri.paged_attention(q, cache, table, cu_q, seq_lens, max(lens_q))
     assert rel_err(out, want) < TOL[torch.bfloat16]
     assert rel_err(out, want) < 1.5 * rel_err(dense_kernel, dense)  # (as accurate as the dense kernel)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from flashpage.bench.common import median_ms
+from flashpage.engine.inputs import paged_view
 from flashpage.kernels import sparq
 from flashpage.kernels.attention import choose_num_splits
 from flashpage.kernels.block_sparse import BlockSparsePattern
@@ -127,7 +128,9 @@ def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
         pattern = pattern_for(context, density)
         pos = torch.arange(context)
         kept = float(pattern.keys_seen(pos).sum()) / float((pos + 1).sum())
-        ms = median_ms(lambda: paged_attention(q, cache, table, cu, lens, context, out=out, block_sparse=pattern))
+        view = paged_view(*pattern.split([context], [context], table.tolist(), 16), q.device)
+        ms = median_ms(lambda: paged_attention(q, cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k,
+                                               view.max_seqlen_q, out=out))
         rows.append({"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__,
                      "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
                      "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /

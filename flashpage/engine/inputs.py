@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from flashpage.engine.step import StepPlan
+from flashpage.kernels.block_sparse import BlockSparsePattern
 from flashpage.kernels.tree import tree_mask
 from flashpage.kv import slot
 from flashpage.model import AttentionMetadata
@@ -33,11 +34,13 @@ class StepInputs:
 
 
 def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: int | None = None,
-                   q_len: int | None = None, masked: bool = False) -> StepInputs:
+                   q_len: int | None = None, masked: bool = False,
+                   pattern: BlockSparsePattern | None = None) -> StepInputs:
     """`rows` pads the batch to that many sequences; `q_len` pads every sequence's tokens to that many (a verify
     step's CUDA graph). Padding goes in front: padding tokens take the positions just before the sequence's own
     (whose keys are in the cache, so they never read an unwritten slot), write no slot and give no logits.
-    `masked`: a query mask for every row even where no sequence is a tree (a graph captured with one)."""
+    `masked`: a query mask for every row even where no sequence is a tree (a graph captured with one).
+    `pattern`: a block-sparse pattern the prompt chunks follow (`meta.block_sparse`; an eager step's)."""
     seqs = plan.seqs
     rows = rows or len(seqs)
     tokens, positions, slots, cu, seq_lens, logits_index, deferred = [], [], [], [0], [], [], []
@@ -75,4 +78,20 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
             pad = q_len - len(s.token_ids) if q_len else 0
             bits += [-1] * pad + (tree_mask(s.tree, pad) if s.tree else [-1] * len(s.token_ids))
         meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
+    if pattern is not None:
+        split = pattern.split([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs], block_size)
+        meta.block_sparse = paged_view(*split, device)
     return StepInputs(ids, meta, logits_index, deferred_t)
+
+
+def paged_view(q_lens: list[int], k_lens: list[int], tables: list[list[int]], device: torch.device
+               ) -> AttentionMetadata:
+    """The paged attention metadata of sequences (queries, keys, block table) alone: cu_seqlens_q, seq_lens_k,
+    max_seqlen_q and the block table, padded to its longest row."""
+    width = max(map(len, tables))
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    packed = upload(cu + k_lens + [b for t in tables for b in t + [0] * (width - len(t))], torch.int32, device)
+    cu_t, lens_t, table_t = packed.split([len(cu), len(k_lens), len(tables) * width])
+    return AttentionMetadata(cu_t, lens_t, max(q_lens), positions=None, block_table=table_t.view(len(tables), width))

@@ -139,7 +139,7 @@ class ModelRunner:
         self.sparse = cfg.sparse
         if self.sparse is not None:
             self.sparse.check_serves(head_dim=self.config.head_dim, kernels=kernels, kv_cache_dtype=cfg.kv_cache_dtype,
-                                     speculative=cfg.speculative is not None,
+                                     speculative=cfg.speculative is not None, block_size=cfg.block_size,
                                      sliding_window=self.config.sliding_window)
         self.sparq_cache = self.sparse is not None and self.sparse.method == "sparq"  # (its key copy and value sums)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
@@ -285,7 +285,8 @@ class ModelRunner:
         seqs = plan.seqs
         graph_key = self._graph_for(seqs)
         inputs = prepare_inputs(plan, self.block_size, dev, *graph_key, masked=self.verify_masked and graph_key[1] > 1) \
-            if graph_key else prepare_inputs(plan, self.block_size, dev)
+            if graph_key else prepare_inputs(plan, self.block_size, dev,
+                                             pattern=self.sparse.pattern if self.sparse else None)
         ids, meta = inputs.ids, inputs.meta
         meta.sparse = self.sparse
         if inputs.from_last_step.numel():

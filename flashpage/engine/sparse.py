@@ -6,7 +6,8 @@
   scores it; the CPU and PyTorch kernels only).
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
-  window, vertical lines), whose hidden key tiles the kernel skips; decoding stays dense.
+  window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
+  decoding stays dense.
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ class SparseAttentionConfig:
         return cls(**d)
 
     def check_serves(self, *, head_dim: int, kernels: str, kv_cache_dtype: str, speculative: bool,
-                     sliding_window: int | None) -> None:
+                     block_size: int, sliding_window: int | None) -> None:
         """Raises ParameterError for a setting this engine cannot serve with sparse attention."""
         if self.method == "sparq" and self.r > head_dim:
             raise ParameterError("sparse_attention.r", f"sparse_attention: r must be at most the head dimension "
                                  f"({head_dim}), got {self.r}")
+        if self.method == "block" and self.block % block_size:
+            raise ParameterError("sparse_attention.block", f"sparse_attention: block must be a multiple of the "
+                                 f"cache's block_size ({block_size}), got {self.block}")
         for name, unserved in (("speculative_config", speculative), ("kv_cache_dtype", kv_cache_dtype != "auto"),
                                ("deterministic", kernels == "batch_invariant"),
                                ("model", sliding_window is not None)):

@@ -56,16 +56,14 @@ def exact_cast(x, dtype):
 @triton.jit
 def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, hi, k_start,
                   sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
-                  stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, sp_block,
-                  sp_sink, sp_local, sp_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr, SPARSE: tl.constexpr):
+                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking.
     TOKEN_SCALES: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
     probabilities (a quantized cache's values convert to the query's dtype exactly). TREE: the step's own keys
-    (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so. SPARSE: masked tiles
-    also apply a block-sparse pattern (`flashpage.kernels.block_sparse`: blocks of sp_block positions, sp_sink
-    sink blocks, a window of sp_local blocks, vertical lines every sp_stride blocks)."""
+    (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
@@ -100,12 +98,6 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
                 j = kpos - first_new
                 bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)[None, :]) & 1
                 visible = visible & ((j[None, :] < 0) | (j[None, :] >= 64) | (bit != 0))
-            if SPARSE:
-                q_block = q_pos // sp_block
-                k_block = kpos // sp_block
-                seen = (k_block[None, :] < sp_sink) | (q_block[:, None] - k_block[None, :] < sp_local)
-                line = (k_block % tl.maximum(sp_stride, 1) == sp_stride - 1) & (sp_stride > 0)
-                visible = visible & (seen | line[None, :])
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -135,15 +127,14 @@ def _attend_sequence(
     Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,
     sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
-    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, sp_block, sp_sink, sp_local, sp_stride,
+    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
-    TREE: tl.constexpr, SPARSE: tl.constexpr,
+    TREE: tl.constexpr,
 ):
-    """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys.
-    SPARSE: a sequence with two or more queries follows the block-sparse pattern (sp_block, ...)."""
+    """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys."""
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
     if pid_m * BLOCK_M >= q_len * GROUP:  # a row tile past this sequence's queries
@@ -206,44 +197,17 @@ def _attend_sequence(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if SPARSE and q_len > 1:  # a prefill under a block-sparse pattern: only the key tiles it lets this tile see
-        # the window of the tile's first row and the tiles after (masked: later rows' windows start later), the sink
-        # blocks and the vertical lines before it (whole: every row sees them)
-        window_lo = tl.maximum(first_pos // sp_block - sp_local + 1, 0) * sp_block
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, 0,
-                                      tl.minimum(sp_sink * sp_block, window_lo), k_start, sm_scale_log2, window_left,
-                                      window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb,
-                                      stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, sp_block, sp_sink,
-                                      sp_local, sp_stride, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, TMA,
-                                      UPCAST, KV_SCALES == 2, TREE, False)
-        if sp_stride > 0:
-            first_line = sp_sink + (sp_stride - 1 - sp_sink % sp_stride) % sp_stride
-            for line in range(first_line, window_lo // sp_block, sp_stride):
-                acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
-                                              line * sp_block, line * sp_block + sp_block, k_start, sm_scale_log2,
-                                              window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt,
-                                              stride_vh, stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits,
-                                              first_new, sp_block, sp_sink, sp_local, sp_stride, BLOCK_M, BLOCK_N,
-                                              PAGED, PAGE_SIZE, CAUSAL, False, TMA, UPCAST, KV_SCALES == 2, TREE,
-                                              False)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
-                                      window_lo, hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
+    if not MASK_EVERY_TILE:
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo,
+                                      unmasked_hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
                                       stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads,
-                                      d, d_ok, tree_bits, first_new, sp_block, sp_sink, sp_local, sp_stride, BLOCK_M,
-                                      BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA, UPCAST, KV_SCALES == 2, TREE, True)
-    else:
-        if not MASK_EVERY_TILE:
-            acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
-                                          lo, unmasked_hi, k_start, sm_scale_log2, window_left, window_right,
-                                          stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt,
-                                          num_kv_heads, d, d_ok, tree_bits, first_new, sp_block, sp_sink, sp_local,
-                                          sp_stride, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, False, TMA, UPCAST,
-                                          KV_SCALES == 2, TREE, False)
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
-                                      unmasked_hi, hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
-                                      stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads,
-                                      d, d_ok, tree_bits, first_new, sp_block, sp_sink, sp_local, sp_stride, BLOCK_M,
-                                      BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA, UPCAST, KV_SCALES == 2, TREE, False)
+                                      d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL,
+                                      False, TMA, UPCAST, KV_SCALES == 2, TREE)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
+                                  unmasked_hi, hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
+                                  stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads, d,
+                                  d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA,
+                                  UPCAST, KV_SCALES == 2, TREE)
 
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if NUM_SPLITS == 1:
@@ -263,12 +227,12 @@ def _attention_kernel(
     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,
     num_seqs, sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
-    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, sp_block, sp_sink, sp_local, sp_stride,
+    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
-    TREE: tl.constexpr, SPARSE: tl.constexpr, PDL: tl.constexpr,
+    TREE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the merge may launch now and wait on the GPU for this grid, instead of launching after it
         tl.extra.cuda.gdc_launch_dependents()
@@ -285,17 +249,15 @@ def _attention_kernel(
                              CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                              num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt,
                              stride_vh, stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph,
-                             stride_ls, stride_lt, sp_block, sp_sink, sp_local, sp_stride, GROUP, HEAD_DIM, BLOCK_D,
-                             BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST,
-                             KV_SCALES, TREE, SPARSE)
+                             stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
+                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE)
     else:
         _attend_sequence(tl.program_id(1), pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse,
                          CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                          num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
                          stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph, stride_ls,
-                         stride_lt, sp_block, sp_sink, sp_local, sp_stride, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M,
-                         BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE,
-                         SPARSE)
+                         stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS,
+                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE)
 
 
 @triton.jit
@@ -383,10 +345,10 @@ def _sm_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
 
 def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             window_size, num_splits, paged: bool, page_size: int, tiles=None, batch_invariant: bool = False,
-            scales=None, tree_mask=None, block_sparse=None):
+            scales=None, tree_mask=None):
     """`max_seqlen_k`: None for a paged cache. `scales`: a quantized cache's (k_scale, v_scale), per KV head (FP8)
-    or per slot and KV head (INT8). `tree_mask`: per query row, the bits of its sequence's queries it sees;
-    `block_sparse`: a BlockSparsePattern (paged_attention)."""
+    or per slot and KV head (INT8). `tree_mask`: per query row, the bits of its sequence's queries it sees
+    (paged_attention)."""
     total_q, hq, dim = q.shape
     hkv = k.shape[-2]
     group = hq // hkv
@@ -395,7 +357,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
         return out
     scale = _sm_scale_log2(softmax_scale, dim)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if (tiles is None and not batch_invariant and scales is None and tree_mask is None and block_sparse is None
+    if (tiles is None and not batch_invariant and scales is None and tree_mask is None
             and num_splits == 1 and max_seqlen_q * group > 16 and not interpret
             and hopper_prefill.serves(q, k, v, page_size if paged else None)):
         return hopper_prefill.prefill(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table if paged else None,
@@ -427,10 +389,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
                   BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
                   NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and interpret,
-                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1, TREE=tree_mask is not None,
-                  SPARSE=block_sparse is not None and max_seqlen_q > 1)
-    pattern = (block_sparse.block, block_sparse.sink, block_sparse.local, block_sparse.stride) if block_sparse else \
-        (1, 0, 0, 0)
+                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1, TREE=tree_mask is not None)
     if num_splits == 1:  # the kernel normalises and writes `out` itself
         part, lse, part_strides = out, out, (0, 0, 0, 0, 0)
     else:
@@ -448,7 +407,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
         unused if tree_mask is None else tree_mask, batch, scale, window_size[0],
         window_size[1], hkv,
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0, *part_strides, *pattern, **common)
+        block_table.stride(0) if paged else 0, *part_strides, **common)
     if num_splits > 1:
         # One warp per 32 columns of a head: a merge of many small programs finishes sooner after the last split
         # than one 4-warp program per head (docs/kernel-notes.md).
@@ -488,11 +447,9 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, tiles=None, batch_invariant=False,
-                    out=None, query_mask=None, block_sparse=None):
+                    out=None, query_mask=None):
     """Queries are the last q_len tokens of sequences whose keys sit in a paged cache (a KVCache: k/v
-    [blocks, block_size, Hkv, D]). `query_mask`: the queries form token trees (`flashpage.kernels.tree`);
-    `block_sparse`: a BlockSparsePattern the queries of sequences with two or more follow (prefill), skipping the
-    key tiles it hides (`flashpage.kernels.block_sparse`).
+    [blocks, block_size, Hkv, D]). `query_mask`: the queries form token trees (`flashpage.kernels.tree`).
 
     Decode (max_seqlen_q == 1) splits long key ranges over several programs when the batch alone cannot fill
     the GPU (Flash-Decoding); `num_splits` overrides that choice, and `tiles` (BLOCK_M, BLOCK_N, num_warps,
@@ -507,10 +464,6 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         raise ValueError(f"block size must be a power of two >= 8, got {page}")
     if query_mask is not None:
         check_query_mask(query_mask, q, causal, window_size)
-    if block_sparse is not None and (not causal or window_size != (-1, -1) or query_mask is not None
-                                     or batch_invariant or block_sparse.block % 64):
-        raise ValueError("a block-sparse pattern needs causal attention with no window, token tree or batch "
-                         "invariance, and blocks of a multiple of 64 positions")
     if batch_invariant:
         num_splits = 1
     elif num_splits is None:
@@ -522,7 +475,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     scales = None if kv_cache.k_scale is None else (kv_cache.k_scale, kv_cache.v_scale)
     return _launch(q, k_cache, v_cache, out, cu_seqlens_q, None, seq_lens_k, block_table, max_seqlen_q, None,
                    causal, softmax_scale, window_size, num_splits, paged=True, page_size=page, tiles=tiles,
-                   batch_invariant=batch_invariant, scales=scales, tree_mask=query_mask, block_sparse=block_sparse)
+                   batch_invariant=batch_invariant, scales=scales, tree_mask=query_mask)
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, device,

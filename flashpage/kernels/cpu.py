@@ -76,20 +76,19 @@ def packed_product(x, weight, bias, residual):
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
-                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None,
-                    block_sparse=None):
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None):
     """Decode: one call per group of sequences with the same number of pages, each sequence's keys gathered by
     slot and padded to its pages, the padding masked. Grouping by a sequence's own page count keeps each result
     independent of what else is batched (a reduction's order depends on the padded length), so a seeded request
     samples the same tokens in any batch."""
     batch = block_table.shape[0]
-    if query_mask is not None and block_sparse is None and q.device.type == "cpu":
+    if query_mask is not None and q.device.type == "cpu":
         check_query_mask(query_mask, q, causal, window_size)
         return tree_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, query_mask, softmax_scale, out)
     if max_seqlen_q != 1 or q.shape[0] != batch or query_mask is not None:  # prefill, trees: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                         out=out, query_mask=query_mask, block_sparse=block_sparse)
+                                         out=out, query_mask=query_mask)
     out = torch.empty_like(q) if out is None else out
     for rows, slots, mask in _decode_groups(block_table, seq_lens_k, kv_cache.block_size, window_size[0]):
         k, v = (x.transpose(1, 2) for x in read_slots(kv_cache, slots, q.dtype))

@@ -29,15 +29,11 @@ def attention_mask(len_q: int, len_k: int, causal: bool, window_size, device) ->
     return mask
 
 
-def _attend(q, k, v, causal, softmax_scale, window_size, tree_bits=None, pattern=None):
-    """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D]; tree_bits [Lq]: its queries form a token tree; pattern: a
-    BlockSparsePattern its queries follow."""
+def _attend(q, k, v, causal, softmax_scale, window_size, tree_bits=None):
+    """One sequence: q [Lq, Hq, D], k/v [Lk, Hkv, D]; tree_bits [Lq]: its queries form a token tree."""
     mask = attention_mask(q.shape[0], k.shape[0], causal, window_size, q.device)
     if tree_bits is not None:
         mask = mask & tree_visible(tree_bits, k.shape[0])
-    if pattern is not None:
-        keys = torch.arange(k.shape[0], device=q.device)
-        mask = mask & pattern.visible(keys[k.shape[0] - q.shape[0]:], keys)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                          scale=softmax_scale, enable_gqa=True)
     return out.transpose(0, 1)
@@ -55,10 +51,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
-                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None,
-                    block_sparse=None):
-    """`block_sparse`: a BlockSparsePattern (`flashpage.kernels.block_sparse`) that the queries of sequences with two
-    or more of them follow (prefill; a sequence decoding one token attends densely)."""
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None):
     if query_mask is not None:
         check_query_mask(query_mask, q, causal, window_size)
     out = torch.empty_like(q) if out is None else out
@@ -69,9 +62,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
             continue
         k, v = (x.flatten(0, 1)[:len_k] for x in read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype))
         bits = None if query_mask is None else query_mask[cu_q[i]:cu_q[i + 1]]
-        pattern = block_sparse if cu_q[i + 1] - cu_q[i] > 1 else None
-        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k, v, causal, softmax_scale, window_size, bits,
-                                           pattern)
+        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k, v, causal, softmax_scale, window_size, bits)
     return out
 
 

@@ -27,9 +27,11 @@ class AttentionMetadata:
     # (`flashpage.kernels.tree`; positions then give each node's depth); None: causal.
     query_mask: torch.Tensor | None = None
     # Sparse attention (a `flashpage.engine.sparse.SparseAttentionConfig`): SparQ for the sequences that decode one
-    # token (and the prompt's tokens with `prompt`), over a cache allocated with its extras (sparq=True); or a
-    # block-sparse pattern for the sequences that prefill two or more tokens.
+    # token (and the prompt's tokens with `prompt`), over a cache allocated with its extras (sparq=True).
     sparse: object | None = None
+    # A block-sparse pattern's view of the batch (`BlockSparsePattern.split`): the paged metadata under which plain
+    # causal attention is the pattern's, each block of a prompt chunk's queries a sequence of its own.
+    block_sparse: AttentionMetadata | None = None
 
     @classmethod
     def prefill(cls, seq_lens: list[int], device: torch.device | str = "cpu",
@@ -61,10 +63,9 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
     if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                    meta.max_seqlen_q, r=sparse.r, k=sparse.k, softmax_scale=scale)
-    out = ops.paged_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
-                              meta.max_seqlen_q, causal=True, softmax_scale=scale, window_size=window,
-                              query_mask=meta.query_mask,
-                              block_sparse=meta.sparse.pattern if meta.sparse is not None else None)
+    view = meta.block_sparse if meta.block_sparse is not None else meta
+    out = ops.paged_attention(q, kv_cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q,
+                              causal=True, softmax_scale=scale, window_size=window, query_mask=meta.query_mask)
     if sparse is not None:  # a step that prefills some sequences and decodes others: SparQ for the decoding ones
         cu = meta.cu_seqlens_q
         decoding = ((cu[1:] - cu[:-1]) == 1).nonzero()[:, 0]
