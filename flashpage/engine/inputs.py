@@ -78,7 +78,7 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
             pad = q_len - len(s.token_ids) if q_len else 0
             bits += [-1] * pad + (tree_mask(s.tree, pad) if s.tree else [-1] * len(s.token_ids))
         meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
-    if pattern is not None:
+    if pattern is not None and any(len(s.token_ids) > 1 for s in seqs):  # (decoding alone stays dense)
         split = pattern.split([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs], block_size)
         meta.block_sparse = paged_view(*split, device)
     return StepInputs(ids, meta, logits_index, deferred_t)
