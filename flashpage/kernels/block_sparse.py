@@ -57,7 +57,9 @@ class BlockSparsePattern:
         out_q, out_k, out_tables = [], [], []
         for q_len, k_len, table in zip(q_lens, k_lens, tables):
             if q_len < 2:
-                out_q.append(q_len), out_k.append(k_len), out_tables.append(table)
+                out_q.append(q_len)
+                out_k.append(k_len)
+                out_tables.append(table)
                 continue
             first = k_len - q_len  # the first query's position
             for qb in range(first // self.block, -(-k_len // self.block)):
