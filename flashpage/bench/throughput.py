@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting); the "
                    "compute floor stays the bf16 one")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs; the median is reported (one run varied by up "
+                   "to 10%% on an H200)")
     p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -61,14 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     llm.generate([{"prompt_token_ids": r} for r in prompts[:warm].tolist()], params, use_tqdm=False)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert generated == args.num_prompts * args.output_len
+    runs = []
+    for _ in range(max(args.repeat, 1)):
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params)
+        runs.append(time.perf_counter() - start)
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        assert generated == args.num_prompts * args.output_len
+        del outs
+    elapsed = statistics.median(runs)
     r = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
          "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
-         "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_output_tok_s": generated / elapsed,
+         "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_runs_s": runs, "flashpage_output_tok_s": generated / elapsed,
          "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {},
          "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
          "kv_cache_dtype": args.kv_cache_dtype,
@@ -117,7 +124,10 @@ def report(r: dict) -> None:
     ours = r["flashpage_output_tok_s"]
     if "warmup_s" in r:
         print(f"warm-up (the first {r['warmup_prompts']} requests, first-use costs included): {r['warmup_s']:.1f} s")
-    print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total tok/s")
+    runs = r.get("flashpage_runs_s", [r["flashpage_s"]])
+    spread = f" (median of {len(runs)} runs: {', '.join(f'{t:.1f}' for t in runs)} s)" if len(runs) > 1 else ""
+    print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total "
+          f"tok/s{spread}")
     floor = r["compute_floor_s"]
     gpus = f" x {r['tensor_parallel_size']} GPUs" if r.get("tensor_parallel_size", 1) > 1 else ""
     print(f"compute floor (matmul FLOPs at the measured {r['matmul_tflops']:.0f} TFLOP/s{gpus}): {floor:.1f} s, at most "
