@@ -70,6 +70,22 @@ def test_overlapped_steps_give_the_outputs_of_steps_read_back_at_once():
     assert engine.bm.num_free_blocks == engine.bm.num_blocks and engine.in_flight is None
 
 
+def test_final_only_steps_give_the_same_finished_outputs_and_nothing_else():
+    """`step(final_only=True)` (what `LLM.generate` reads) skips the outputs of unfinished requests; the finished
+    ones equal those of plain steps, each once, and the engine ends as clean."""
+    prompts, params = mixed_workload()
+    want = run(tiny_engine(max_num_batched_tokens=48, num_gpu_blocks=40, block_size=8), prompts, params)
+    engine = tiny_engine(max_num_batched_tokens=48, num_gpu_blocks=40, block_size=8)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    got = []
+    while engine.has_unfinished_requests():
+        got += engine.step(final_only=True)
+    assert all(o.finished for o in got) and len(got) == len(prompts)
+    assert summary(sorted(got, key=lambda o: int(o.request_id[1:]))) == summary(want)
+    assert engine.bm.num_free_blocks == engine.bm.num_blocks and not engine.requests and not engine.seqs
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_decode_equals_eager():
     """Graphs split long key ranges by the captured table width, eager steps by the batch's: rounding differs, so

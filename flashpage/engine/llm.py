@@ -157,10 +157,9 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm or len(request_ids) < 2)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+                for out in self.engine.step(final_only=True):
+                    done[out.request_id] = out
+                    bar.update(1)
         finally:
             bar.close()
             for request_id in request_ids:  # an exception mid-run must not leave requests holding blocks

@@ -8,7 +8,7 @@ is kept while it equals the token drawn before it: what decoding one token at a 
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import gc
 import itertools
 import random
@@ -85,7 +85,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
         self.rng = random.Random(cfg.seed)  # seeds of unseeded requests
         self.in_flight: InFlight | None = None
-        self._early_outputs: list[RequestOutput] | None = None  # the step in flight, read back by _token_bitmask
+        self._early_advanced: dict[str, Request] | None = None  # the step in flight, read back by _token_bitmask
         self.requests: dict[str, Request] = {}
         self.seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count()
@@ -238,41 +238,45 @@ class LLMEngine:
             self.workers.shutdown()
 
     # ----- one step -----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Schedule and launch one batch; return the outputs of the requests advanced by the batch launched
-        before it (finished ones flagged). With overlap, the host schedules this step while the GPU still runs
-        the last one, whose tokens this step reads on the device; otherwise a step is read back at once.
-        Raises WorkerFailed if a tensor-parallel rank died or hung (the engine is stopped then)."""
+        before it (finished ones flagged); `final_only`: of the finished ones alone (an output copies the tokens
+        so far, for every advanced request every step). With overlap, the host schedules this step while the GPU
+        still runs the last one, whose tokens this step reads on the device; otherwise a step is read back at
+        once. Raises WorkerFailed if a tensor-parallel rank died or hung (the engine is stopped then)."""
         if self.workers is None:
-            return self._step()
-        if self.workers.stopped:
+            advanced = self._step()
+        elif self.workers.stopped:
             raise WorkerFailed("the tensor-parallel engine has stopped")
-        try:
-            return self._step()
-        except RuntimeError as e:  # a collective failed: the group is broken
-            raise self.workers.failure(e) from e
+        else:
+            try:
+                advanced = self._step()
+            except RuntimeError as e:  # a collective failed: the group is broken
+                raise self.workers.failure(e) from e
+        return [self._output(req) for req in advanced.values() if not final_only or all(s.finished for s in req.seqs)]
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> dict[str, Request]:
+        """One step; returns the requests its read-backs advanced, by id."""
         speculate = self._propose()
         plan = self.scheduler.schedule()
         launched = None
         self.last_step_tokens = sum(len(s.token_ids) for s in plan.seqs)
         if self.sparse_stats:
             self.sparse_stats.record(plan.seqs)
-        self._early_outputs = None
+        self._early_advanced = None
         if plan.seqs:
             # Penalties and bad words need every earlier token on the host before the next step samples; so do
             # proposals (and how many tokens a verification keeps decides the next step's positions).
             overlap = self.cfg.overlap and not speculate and not any(s.row.params.needs_history for s in plan.samples)
             draft_probs = self.proposer.probs if self.proposer else None
             launched = InFlight(self.runner.step(plan, draft_probs, self._token_bitmask(plan)), overlap, plan)
-        outputs = self._early_outputs if self._early_outputs is not None else \
-            self._read_back(self.in_flight) if self.in_flight else []
+        advanced = self._early_advanced if self._early_advanced is not None else \
+            self._read_back(self.in_flight) if self.in_flight else {}
         self.in_flight = launched
         if launched and not launched.overlap:
-            outputs += self._read_back(launched)
+            advanced.update(self._read_back(launched))
             self.in_flight = None
-        return outputs
+        return advanced
 
     def _token_bitmask(self, plan):
         """The grammar masks of the plan's constrained samples, as a function the runner calls once the forward
@@ -285,7 +289,7 @@ class LLMEngine:
 
         def fill():
             if self.in_flight:
-                self._early_outputs = self._read_back(self.in_flight)
+                self._early_advanced = self._read_back(self.in_flight)
                 self.in_flight = None
             live = {i: s for i, s in constrained.items() if not s.finished}  # (a finished one's token is dropped)
             return self.structured.bitmask(plan.samples, {i: s.grammar for i, s in live.items()},
@@ -311,7 +315,7 @@ class LLMEngine:
                 seq.proposal = seq.proposal[:seq.grammar.validate_tokens(seq.proposal)]
         return True
 
-    def _read_back(self, step: InFlight) -> list[RequestOutput]:
+    def _read_back(self, step: InFlight) -> dict[str, Request]:
         result = step.future.result()
         advanced = {}
         for seq_id, tokens in result.prompt_logprobs.items():
@@ -353,7 +357,7 @@ class LLMEngine:
             req = advanced[seq.request_id] = self.requests[seq.request_id]
             req.metrics.first_token_time = req.metrics.first_token_time or now
             req.metrics.last_token_time = now
-        return [self._output(req) for req in advanced.values()]
+        return advanced
 
     def _append(self, seq: Sequence, sampled: SampledToken) -> None:
         """Put a sampled token in its PENDING place (later positions may still be pending) and check stops."""
@@ -407,7 +411,7 @@ class LLMEngine:
                 self.seqs.pop(s.seq_id, None)
             del self.requests[req.request_id]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outputs, finished,
-                             req.seqs[0].prompt_logprobs, dataclasses.replace(req.metrics))
+                             req.seqs[0].prompt_logprobs, copy.copy(req.metrics))
 
     # ----- statistics ---------------------------------------------------------------------------
     def stats(self) -> dict:

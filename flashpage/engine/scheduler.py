@@ -65,7 +65,8 @@ class Scheduler:
                         proposal, parents = [], None  # (its slots too stay within the context)
                 else:
                     proposal = seq.proposal[:max(0, min(budget - n, room))]
-            if self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > self.bm.num_free_blocks:
+            if proposal and self.bm.blocks_needed(seq.seq_id, seq.num_computed + n + len(proposal)) > \
+                    self.bm.num_free_blocks:
                 proposal, parents = [], None
             while self.bm.blocks_needed(seq.seq_id, seq.num_computed + n) > self.bm.num_free_blocks:
                 victim = self.running[-1]
