@@ -69,8 +69,10 @@ def test_paged_attention_reads_a_quantized_cache(kind, lens_k, lens_q, page, hq,
     assert rel_err(out, expected) < TOL[torch.bfloat16]
     from flashpage.kernels import cpu
     if lens_q == [1] * len(lens_k):  # the CPU kernel set's batched decode reads the scales too
-        got = cpu.paged_attention(q.float(), cache, table, cu_q, seq_lens, 1, window_size=window)
-        assert rel_err(got, expected) < 1e-5
+        host = KVCache(cache.k.cpu(), cache.v.cpu(), cache.k_scale.cpu(), cache.v_scale.cpu())
+        got = cpu.paged_attention(q.float().cpu(), host, table.cpu(), cu_q.cpu(), seq_lens.cpu(), 1,
+                                  window_size=window)
+        assert rel_err(got, expected.cpu()) < 1e-5
 
 
 @pytest.mark.parametrize("kind", DTYPES)
@@ -88,12 +90,13 @@ def test_cache_writes_quantize_as_the_reference(kind):
     def cache():
         shape = (6, page, hkv, dim)
         scales = [head_scale.clone() if kind == "fp8" else torch.zeros(6, hkv, page, device=DEVICE) for _ in range(2)]
-        return KVCache(torch.zeros(shape, dtype=DTYPES[kind]), torch.zeros(shape, dtype=DTYPES[kind]), *scales)
+        return KVCache(torch.zeros(shape, dtype=DTYPES[kind], device=DEVICE),
+                       torch.zeros(shape, dtype=DTYPES[kind], device=DEVICE), *scales)
 
     caches = [cache() for _ in range(3)]
     ref.reshape_and_cache(k, v, caches[0], slots)
     tri.reshape_and_cache(k, v, caches[1], slots)
-    ones = torch.ones(t, dim, dtype=torch.bfloat16)  # rotation by angle 0: the cache gets k itself
+    ones = torch.ones(t, dim, dtype=torch.bfloat16, device=DEVICE)  # rotation by angle 0: the cache gets k itself
     tri.rope_and_cache(rand(t, 8, dim, dtype=torch.bfloat16), k.clone(), ones, torch.zeros_like(ones), v, caches[2],
                        slots)
     want = caches[0]
@@ -102,8 +105,8 @@ def test_cache_writes_quantize_as_the_reference(kind):
     else:
         kept = slots[slots >= 0]
         written = want.k_scale[kept // page, :, kept % page]
-        assert want.k.abs().amax((2, 3)).max() == 127 and torch.equal(written[3, 1], torch.tensor(1.0))
-        back = ref.read_pages(want, torch.arange(6), torch.float32)[0].flatten(0, 1)[slots[slots >= 0]]
+        assert want.k.abs().amax((2, 3)).max() == 127 and torch.equal(written[3, 1], torch.tensor(1.0, device=DEVICE))
+        back = ref.read_pages(want, torch.arange(6, device=DEVICE), torch.float32)[0].flatten(0, 1)[slots[slots >= 0]]
         assert (back - k[slots >= 0]).norm() / k.norm() < 0.01
     for got in caches[1:]:
         for a, b in ((got.k, want.k), (got.v, want.v)):
