@@ -52,9 +52,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                          "serve (a running server); cpu (flashpage vs transformers on this CPU); spec "
                                          "(speculative decoding against none); structured (structured outputs' cost); "
                                          "quality (what the lossy modes cost, on this CPU); tp (tensor parallelism's "
-                                         "correctness and all-reduce rate, several GPUs)")
+                                         "correctness and all-reduce rate, several GPUs); host (the engine's host "
+                                         "work per step, the model left out)")
     bench.add_argument("suite", choices=["kernels", "fused", "latency", "throughput", "serve", "cpu", "spec",
-                                         "structured", "deterministic", "quality", "tp"])
+                                         "structured", "deterministic", "quality", "tp", "host"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of the suite (see --help of the suite)")
     return parser, {"generate": gen, "chat": chat, "serve": serve, "bench": bench}
 
