@@ -7,7 +7,9 @@ bf16 by default). The peer is transformers' `generate` (eager, SDPA, greedy) on 
 run's matrix-product FLOPs (every token through every projection, the LM head for each sampled token; attention
 left out, so the floor is low) over the bf16 matmul rate measured in the same run (times N GPUs with
 `--tensor-parallel-size N`, where transformers, which holds the whole model on one GPU, is left out). Prints a
-table; `--out` writes JSON.
+table; `--out` writes JSON. The workload is timed `--repeat` times after a warm-up on its first requests, and the
+median run is the one reported (single runs varied by up to 20% before the engine's host work was cut,
+docs/kernel-notes.md).
 """
 
 from __future__ import annotations
@@ -40,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting); the "
                    "compute floor stays the bf16 one")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs; the median is reported (one run varied by up "
-                   "to 10%% on an H200)")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs of the whole workload; the median is reported")
     p.add_argument("--hf-batch-sizes", default="32,128,256", help="comma list; empty to skip transformers")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = statistics.median(runs)
     r = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "model": args.model,
          "dtype": args.dtype, "num_prompts": args.num_prompts, "input_len": args.input_len,
-         "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_runs_s": runs, "flashpage_output_tok_s": generated / elapsed,
+         "output_len": args.output_len, "flashpage_s": elapsed, "flashpage_runs_s": runs,
+         "flashpage_output_tok_s": generated / elapsed,
          "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {},
          "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
          "kv_cache_dtype": args.kv_cache_dtype,

@@ -55,6 +55,10 @@ class Request:
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
 
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None):
@@ -253,7 +257,7 @@ class LLMEngine:
                 advanced = self._step()
             except RuntimeError as e:  # a collective failed: the group is broken
                 raise self.workers.failure(e) from e
-        return [self._output(req) for req in advanced.values() if not final_only or all(s.finished for s in req.seqs)]
+        return [self._output(req) for req in advanced.values() if not final_only or req.finished]
 
     def _step(self) -> dict[str, Request]:
         """One step; returns the requests its read-backs advanced, by id."""
@@ -401,7 +405,7 @@ class LLMEngine:
             self.proposer.release(seq.seq_id)
 
     def _output(self, req: Request) -> RequestOutput:
-        finished = all(s.finished for s in req.seqs)
+        finished = req.finished
         outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason,
                                     s.cumulative_logprob, s.logprobs) for s in req.seqs]
         req.metrics.first_scheduled_time = req.seqs[0].first_scheduled_time
