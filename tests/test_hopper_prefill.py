@@ -45,7 +45,28 @@ def reference(q, k, v, causal, window, dtype):
     return out
 
 
-def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=None, dtype=torch.bfloat16):
+def quantize(cache, cache_dtype):
+    """An 8-bit copy of a paged cache [blocks, page, Hkv, D] (NaN in its unused slots) as flashpage.kv.KVCache keeps
+    it: FP8 with a scale per KV head, INT8 with one per slot and KV head ([blocks, Hkv, page]; NaN where unused)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        amax = cache.nan_to_num(0).abs().amax((0, 1, 3)).float()
+        scale = amax / 448 * torch.empty_like(amax).uniform_(1, 2)  # some heads' values short of the range
+        return (cache.float() / scale[:, None]).to(cache_dtype), scale
+    scale = cache.abs().amax(3).float() / 127  # NaN where the slot is unused
+    values = (cache.float() / scale[..., None]).round().nan_to_num(0).to(torch.int8)
+    return values, scale.transpose(1, 2).contiguous()
+
+
+def dequantize(values, scale):
+    if values.dtype == torch.int8:
+        return values.float() * scale.transpose(1, 2)[..., None]
+    return values.float() * scale[:, None]
+
+
+def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=None, dtype=torch.bfloat16,
+          cache_dtype=None):
+    """Random inputs through the engine's prefill entry points, compared to `reference`. `cache_dtype`: an 8-bit
+    paged cache (the reference then attends over its dequantized values)."""
     qs = [torch.randn(n, hq, dim, device="cuda", dtype=dtype) for n in q_lens]
     ks = [torch.randn(n, hkv, dim, device="cuda", dtype=dtype) for n in k_lens]
     vs = [torch.randn(n, hkv, dim, device="cuda", dtype=dtype) for n in k_lens]
@@ -74,9 +95,18 @@ def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=No
                 rows = slice(j * page, min((j + 1) * page, n))
                 k_cache[b, :rows.stop - rows.start] = ks[i][rows]
                 v_cache[b, :rows.stop - rows.start] = vs[i][rows]
-        served = hopper_prefill.serves(q, k_cache, v_cache, page)
-        paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, torch.tensor(k_lens, device="cuda").int(),
-                        max(q_lens), causal=causal, window_size=window, out=out)
+        cache = KVCache(k_cache, v_cache)
+        if cache_dtype is not None:
+            (k8, k_scale), (v8, v_scale) = quantize(k_cache, cache_dtype), quantize(v_cache, cache_dtype)
+            cache = KVCache(k8, v8, k_scale, v_scale)
+            k_deq, v_deq = dequantize(k8, k_scale), dequantize(v8, v_scale)
+            for i, n in enumerate(k_lens):
+                blocks = table[i, :pages[i]].long()
+                ks[i] = k_deq[blocks].flatten(0, 1)[:n].to(dtype)
+                vs[i] = v_deq[blocks].flatten(0, 1)[:n].to(dtype)
+        served = hopper_prefill.serves(q, cache.k, cache.v, page)
+        paged_attention(q, cache, table, cu_q, torch.tensor(k_lens, device="cuda").int(), max(q_lens),
+                        causal=causal, window_size=window, out=out)
     ref = torch.cat([reference(qs[i], ks[i], vs[i], causal, window, torch.float32) for i in range(len(q_lens))])
     low = torch.cat([reference(qs[i], ks[i], vs[i], causal, window, dtype) for i in range(len(q_lens))])
     assert not out.isnan().any()
@@ -114,6 +144,21 @@ def test_fp16_and_long_sequences():
     check([1, 300, 1000], [10, 800, 1000], 32, 8, 64, page=16, dtype=torch.float16)
     assert check([16384], [16384], 32, 8, 128)
     assert check([8192], [32768], 32, 8, 128, page=16)
+    assert check([8192], [32768], 32, 8, 128, page=16, cache_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_quantized_cache(dim, cache_dtype):
+    """A prefill over an FP8 or INT8 cache: the Gluon kernel's producer converts its tiles (head dims 64 and 128),
+    the portable kernel the others; chunks at the end of their sequences, short and long items, a window."""
+    for hq, hkv in ((32, 8), (28, 4)):
+        served = check([0, 1000, 700, 17, 1], [40, 1000, 3000, 17, 33], hq, hkv, dim, page=16,
+                       cache_dtype=cache_dtype)
+        assert served == (dim in (64, 128))
+        check([0, 300, 17, 1], [40, 300, 17, 33], hq, hkv, dim, page=16, cache_dtype=cache_dtype)
+        check([0, 500, 129], [40, 1500, 129], hq, hkv, dim, window=(200, 0), page=64, cache_dtype=cache_dtype)
+    check([1, 300, 1000], [10, 800, 1000], 32, 8, dim, page=16, dtype=torch.float16, cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("dim", [64, 128])

@@ -13,8 +13,8 @@ peer and the fraction of the measured ceiling; for decode also how long merely r
 takes (the copy engine fetching each page's tile for one KV head, as the decode does, with no attention).
 Peers: torch SDPA's backends and, when importable, FlashInfer (`flashpage.bench.flashinfer_peer`: prefill with
 its FA3 and FA2 backends, decode with tensor cores), its outputs compared with ours.
-`--kv-cache-dtype` also times decode over an FP8 or INT8 cache (the engine's scales) against the bf16 one, with the
-rate counted on the bytes it reads. `--fp8` also times the FP8 varlen prefill (inputs quantized per head) against
+`--kv-cache-dtype` also times decode and paged prefill over an FP8 or INT8 cache (the engine's scales) against
+the bf16 one, decode's rate counted on the bytes it reads. `--fp8` also times the FP8 varlen prefill (inputs quantized per head) against
 the bf16 one, with its output's difference from the bf16 output and the e4m3 matmul rate. `--sparse` also times
 SparQ decode against the dense decode (`flashpage.bench.sparse`).
 """
@@ -165,8 +165,9 @@ def bench_fp8_prefill(seq_len: int) -> dict:
             "diff_from_bf16": ((out8.float() - out.float()).norm() / out.float().norm()).item()}
 
 
-def bench_paged_prefill(q_len: int, k_len: int, batch: int = 1) -> dict:
-    """q_len queries at the end of each of `batch` k_len-token sequences in a paged cache, its blocks shuffled."""
+def bench_paged_prefill(q_len: int, k_len: int, batch: int = 1, kv_cache_dtype: str = "auto") -> dict:
+    """q_len queries at the end of each of `batch` k_len-token sequences in a paged cache, its blocks shuffled
+    (an 8-bit cache's rows: no peers, compared with the bf16 cache's row of the same run)."""
     blocks = k_len // BLOCK
     k_cache = torch.randn(batch * blocks + 7, BLOCK, HKV, D, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
@@ -174,17 +175,19 @@ def bench_paged_prefill(q_len: int, k_len: int, batch: int = 1) -> dict:
     q = torch.randn(batch * q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32)
     lens = torch.full((batch, ), k_len, device="cuda", dtype=torch.int32)
-    cache, out = KVCache(k_cache, v_cache), torch.empty_like(q)
+    cache, out = quantized_cache(k_cache, v_cache, kv_cache_dtype), torch.empty_like(q)
     ours = median_ms(lambda: paged_attention(q, cache, table, cu, lens, q_len, out=out))
     portable = median_ms(lambda: paged_attention(q, cache, table, cu, lens, q_len,
                                                  tiles=attn._tiles(D, q_len, HQ // HKV, False, BLOCK)))
-    fi, diffs = flashinfer_times({f"flashinfer-{b}": lambda b=b: flashinfer_peer.paged_prefill(
-        q, k_cache, v_cache, table, cu, lens, b) for b in ("fa3", "fa2")}, out)
     flops = batch * causal_flops(q_len, k_len)
     shape = f"{q_len // 1024}k of {k_len // 1024}k" if q_len >= 1024 else f"{q_len} of {k_len}"
-    return {"kind": "paged prefill", "shape": shape + (f" x{batch}" if batch > 1 else ""), "ms": ours,
-            "rate": flops / ours / 1e9, "unit": "TFLOP/s", "peers_ms": fi, "portable_ms": portable,
-            "peer_output_diff": diffs}
+    r = {"kind": "paged prefill", "shape": shape + (f" x{batch}" if batch > 1 else ""), "ms": ours,
+         "rate": flops / ours / 1e9, "unit": "TFLOP/s", "portable_ms": portable, "kv_cache_dtype": kv_cache_dtype}
+    if kv_cache_dtype != "auto":
+        return r
+    fi, diffs = flashinfer_times({f"flashinfer-{b}": lambda b=b: flashinfer_peer.paged_prefill(
+        q, k_cache, v_cache, table, cu, lens, b) for b in ("fa3", "fa2")}, out)
+    return r | {"peers_ms": fi, "peer_output_diff": diffs}
 
 
 def quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype: str) -> KVCache:
@@ -323,6 +326,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:10.2f}"
                   f" {r['fraction_of_ceiling']:8.0%}")
+        print(f"\n{'paged prefill':14s} {args.kv_cache_dtype + ' ms':>10s} {'bf16 ms':>9s} {'vs bf16':>8s}"
+              f" {'TFLOP/s':>8s} {'portable ms':>12s}")
+        for bf16, shape in zip([r for r in rows if r["kind"] == "paged prefill"], PAGED_PREFILL):
+            r = bench_paged_prefill(*shape, kv_cache_dtype=args.kv_cache_dtype)
+            r["speedup_vs_bf16"] = bf16["ms"] / r["ms"]
+            rows.append(r)
+            print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:8.0f}"
+                  f" {r['portable_ms']:12.4f}")
     if args.fp8 and not args.only_sparse:
         mm8 = matmul_tflops(fp8=True)
         print(f"\n{'fp8 prefill':16s} {'ms':>7s} {'TFLOP/s':>8s} {'of e4m3 matmul':>14s} {'+quantize ms':>12s}"

@@ -357,12 +357,12 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
         return out
     scale = _sm_scale_log2(softmax_scale, dim)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if (tiles is None and not batch_invariant and scales is None and tree_mask is None
+    if (tiles is None and not batch_invariant and tree_mask is None
             and num_splits == 1 and max_seqlen_q * group > 16 and not interpret
             and hopper_prefill.serves(q, k, v, page_size if paged else None)):
         return hopper_prefill.prefill(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table if paged else None,
                                       max_seqlen_q, max_seqlen_k, causal=causal, sm_scale_log2=scale,
-                                      window_size=window_size)
+                                      window_size=window_size, cache_scales=scales)
     # Decode reads pages through the copy engine: each program keeps several pages in flight. Its tiles are at most
     # one page, and a tile feeds tl.dot, which needs 16 keys or more.
     tma = (not batch_invariant and paged and max_seqlen_q * group <= 16 and page_size >= 16

@@ -22,10 +22,11 @@ Masks are bottom-right aligned, as in the portable kernel: query i of a sequence
 k_len - q_len + i.
 
 This is the fast path for what prefill uses (bf16/fp16, head dim 64 or 128, causal or not, windows, a paged or a
-contiguous K/V), and the opt-in FP8 prefill of contiguous K/V (`prefill_fp8`: e4m3 products, Vᵀ in its slots,
-per-head scales folded into the softmax and the output); everything else (quantized caches, token trees,
-block-sparse patterns, batch invariance, older GPUs, the CPU interpreter) runs on the portable kernel. The GPU
-tests are `tests/test_hopper_prefill.py`.
+contiguous K/V, a paged cache of 8-bit values: its producer is then a warpgroup that converts each tile to 16 bits
+as it lands), and the opt-in FP8 prefill of contiguous K/V (`prefill_fp8`: e4m3 products, Vᵀ in its slots,
+per-head scales folded into the softmax and the output); everything else (token trees, block-sparse patterns,
+batch invariance, older GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are
+`tests/test_hopper_prefill.py`.
 """
 
 from __future__ import annotations
@@ -203,15 +204,13 @@ def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: 
 
 
 @gluon.jit
-def _load_kv(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc,
-             v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2,
-             window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
+             BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             FP8: gl.constexpr, Q_BUFS: gl.constexpr, WG: gl.constexpr):
+             FP8: gl.constexpr):
     """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it, running on into
-    the program's next work item while the consumers finish one. (Its arguments are the consumers':
-    warp_specialize's workers share one signature.)"""
+    the program's next work item while the consumers finish one."""
     tile = 0  # key tiles issued so far, over all of the program's items: the ring's position
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
@@ -228,6 +227,104 @@ def _load_kv(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
             tile += n_tiles
 
 
+@triton.constexpr_function
+def _chunk_layout(head_dim):
+    """A warpgroup's layout for a [2048 // head_dim, head_dim] tile: 16 contiguous elements per thread."""
+    cols = head_dim // 16
+    return gl.BlockedLayout([1, 16], [32 // cols, cols], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _dequantize(src, dst, Scale, BlockTable, seq, stride_bt, start, k_len, kv_head, n_kv,
+                CACHE_SCALES: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr):
+    """src's 8-bit values in dst's dtype (fp16), 16 per thread at a time (the converting warpgroup has few
+    registers): an FP8 cache's exactly (CACHE_SCALES 1: its per-head scale folds into the consumers' softmax and
+    output), an INT8 cache's times their scales (2: per slot and KV head, [blocks, Hkv, PAGE_SIZE]; a slot past
+    the sequence's last page is its last page's, as in _issue_kv)."""
+    CHUNK: gl.constexpr = 2048 // HEAD_DIM
+    layout: gl.constexpr = _chunk_layout(HEAD_DIM)
+    # each chunk's load is issued before the previous chunk's store: the compiler puts a barrier between a store
+    # and the next load (it cannot tell the two buffers apart), and the load's latency would follow it
+    x_next = src.slice(0, CHUNK).load(layout)
+    for c in gl.static_range(BLOCK_N // CHUNK):
+        x = x_next
+        if c + 1 < BLOCK_N // CHUNK:
+            x_next = src.slice((c + 1) * CHUNK, CHUNK).load(layout)
+        if CACHE_SCALES == 2:
+            pos = start + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            page = gl.minimum(pos // PAGE_SIZE, (k_len - 1) // PAGE_SIZE)
+            block = gl.load(BlockTable + seq * stride_bt + page).to(gl.int64)
+            x = x.to(gl.float32) * gl.load(Scale + (block * n_kv + kv_head) * PAGE_SIZE + pos % PAGE_SIZE)[:, None]
+        dst.slice(c * CHUNK, CHUNK).store(x.to(dst.dtype))
+
+
+@gluon.jit
+def _load_dequantized_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready,
+                         kv_empty, KScale, VScale, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv,
+                         window_left, window_right, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                         CAUSAL: gl.constexpr, WINDOW: gl.constexpr, CACHE_SCALES: gl.constexpr):
+    """The producer over an 8-bit cache, a warpgroup: its copy engine fills the 8-bit slots, copying the tiles
+    up to len(k8_smem) - 1 ahead of the one it converts, and it writes each tile's values in fp16 (_dequantize)
+    into the ring the consumers read, as the copy engine does for a 16-bit cache. FA3 transposes FP8's V in its
+    producer the same way."""
+    SLOTS8: gl.constexpr = k8_smem.shape[0]
+    tile = 0  # key tiles produced so far, over all of the program's items: the ring's position
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
+            t, n_m, n_kv, CuSeqlensQ, CuSeqlensQ, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
+            True, CAUSAL, WINDOW, False)
+        if has_rows:
+            for i in range(gl.minimum(SLOTS8 - 1, n_tiles)):
+                slot8 = (tile + i) % SLOTS8
+                _issue_kv(k_desc, v_desc, k8_smem.index(slot8), v8_smem.index(slot8), k8_ready.index(slot8),
+                          v8_ready.index(slot8), BlockTable, seq, stride_bt, lo + i * BLOCK_N, 0, k_len,
+                          kv_head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, False)
+            for i in range(n_tiles):
+                cur = tile + i
+                if i + SLOTS8 - 1 < n_tiles:  # into tile cur - 1's slot: converted, every thread passed the barrier
+                    ahead = (cur + SLOTS8 - 1) % SLOTS8
+                    _issue_kv(k_desc, v_desc, k8_smem.index(ahead), v8_smem.index(ahead), k8_ready.index(ahead),
+                              v8_ready.index(ahead), BlockTable, seq, stride_bt, lo + (i + SLOTS8 - 1) * BLOCK_N, 0,
+                              k_len, kv_head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, False)
+                slot = cur % STAGES
+                mbarrier.wait(kv_empty.index(slot), ((cur // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+                start = lo + i * BLOCK_N
+                slot8 = cur % SLOTS8
+                mbarrier.wait(k8_ready.index(slot8), (cur // SLOTS8) & 1)
+                _dequantize(k8_smem.index(slot8), k_smem.index(slot), KScale, BlockTable, seq, stride_bt, start,
+                            k_len, kv_head, n_kv, CACHE_SCALES, PAGE_SIZE, BLOCK_N, HEAD_DIM)
+                fence_async_shared()  # the tensor cores read shared memory through the async proxy
+                gl.thread_barrier()
+                mbarrier.arrive(k_ready.index(slot), count=1)
+                mbarrier.wait(v8_ready.index(slot8), (cur // SLOTS8) & 1)
+                _dequantize(v8_smem.index(slot8), v_smem.index(slot), VScale, BlockTable, seq, stride_bt, start,
+                            k_len, kv_head, n_kv, CACHE_SCALES, PAGE_SIZE, BLOCK_N, HEAD_DIM)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(v_ready.index(slot), count=1)
+            tile += n_tiles
+
+
+@gluon.jit
+def _produce(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty, KScale,
+             VScale, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
+             stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
+             WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr):
+    """The producer partition: _load_dequantized_kv over an 8-bit cache, else _load_kv."""
+    if CACHE_SCALES:
+        _load_dequantized_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready,
+                             kv_empty, KScale, VScale, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv,
+                             window_left, window_right, stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES,
+                             PAGE_SIZE, CAUSAL, WINDOW, CACHE_SCALES)
+    else:
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
+                 BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP, HEAD_DIM, ROWS,
+                 BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8)
+
+
 @gluon.jit
 def _v_operand(v_smem, slot, FP8: gl.constexpr):
     """P V's right operand, [BLOCK_N, HEAD_DIM]: FP8's products take it keys-contiguous (wgmma reads 8-bit
@@ -240,11 +337,11 @@ def _v_operand(v_smem, slot, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, row0,
-                 q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right,
-                 stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
+def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, KScale,
+                 VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
+                 window_right, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-                 WINDOW: gl.constexpr, FP8: gl.constexpr, WG: gl.constexpr):
+                 WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
     to Out through o_smem (q_smem itself, but for FP8's 8-bit Q). `tile` counts the ring's tiles before this item,
     `rnd` the tensor-core turns."""
@@ -271,6 +368,8 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     if FP8:  # Scales [Hkv, GROUP + 2]: a KV head's group's Q scales, then its K and V scales
         row_scale *= gl.load(Scales + kv_head * (GROUP + 2) + rows % GROUP) * gl.load(
             Scales + kv_head * (GROUP + 2) + GROUP)
+    if CACHE_SCALES == 1:  # an FP8 cache's per-head scales (its values reach the tensor cores unscaled)
+        row_scale *= gl.load(KScale + kv_head)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
@@ -322,6 +421,8 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     if FP8:
         out = out * gl.load(Scales + kv_head * (GROUP + 2) + GROUP + 1)
+    if CACHE_SCALES == 1:
+        out = out * gl.load(VScale + kv_head)
     # through shared memory: from the accumulator's layout a thread would store 4 bytes per row, from a row
     # layout 16 (docs/kernel-notes.md, "The output through shared memory")
     o_smem.store(out.to(o_smem.dtype))
@@ -329,17 +430,18 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP), o_smem.load(layout),
-             mask=(out_rows < q_len * GROUP)[:, None])
+    # (over an 8-bit cache the products run in fp16, and Out may be bf16)
+    gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP),
+             o_smem.load(layout).to(Out.dtype.element_ty), mask=(out_rows < q_len * GROUP)[:, None])
 
 
 @gluon.jit
-def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, k_desc,
-             v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m, n_kv, sm_scale_log2,
-             window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr,
-             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             FP8: gl.constexpr, Q_BUFS: gl.constexpr, WG: gl.constexpr):
+def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, CuSeqlensQ,
+             CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
+             window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
+             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr,
+             Q_BUFS: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items. Its Q
     buffers are q_smem's [WG * Q_BUFS, (WG + 1) * Q_BUFS): with two, the next item's Q is copied in while this
     item computes."""
@@ -368,9 +470,9 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
         if has_rows:
             row0 = row0 + WG * ROWS
             _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
-                         other_turn, Scales, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd,
-                         sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS,
-                         BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, WG)
+                         other_turn, Scales, KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles,
+                         tile, rnd, sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP, HEAD_DIM,
+                         ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, CACHE_SCALES, WG)
             tile += n_tiles
             rnd += n_tiles + 1
         j += 1
@@ -380,28 +482,31 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
 # row tiles per sequence follow the step's shape: specialised (1, a multiple of 16, other) they would compile the
 # kernel again while serving, for seconds, whenever one of them changes class.
 @gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
-def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items, n_m,
-                    n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, KScale, VScale,
+                    n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
+                    stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, Q_BUFS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr):
-    """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp. A
-    program takes work items program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes
-    several (their Q double-buffered), else 1."""
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr,
+                    TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr, Q_BUFS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp (a
+    warpgroup over an 8-bit cache, CACHE_SCALES 1 or 2: _load_dequantized_kv). A program takes work items
+    program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes several (their Q
+    double-buffered), else 1. TILE_LAYOUT: the shared layout of the Q, K and V tiles the tensor cores read;
+    SLOTS8: the 8-bit tiles the copy engine fills ahead of the conversion."""
     ROWS: gl.constexpr = BLOCK_M // 2
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, ROWS, HEAD_DIM], k_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, ROWS, HEAD_DIM], TILE_LAYOUT)
     if FP8:  # the output is 16-bit
         o_smem = gl.allocate_shared_memory(Out.dtype.element_ty, [2 * Q_BUFS, ROWS, HEAD_DIM],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     else:
         o_smem = q_smem
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
     if FP8:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -413,25 +518,34 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
 
-    # every partition takes the same arguments (a worker's signature must match the others'), written out:
-    # constexprs inside a tuple built here would turn into values
+    if CACHE_SCALES:  # the copy engine's 8-bit slots, converted into the ring by the producer
+        k8_smem = gl.allocate_shared_memory(k_desc.dtype, [SLOTS8, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v8_smem = gl.allocate_shared_memory(v_desc.dtype, [SLOTS8, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k8_ready = gl.allocate_shared_memory(gl.int64, [SLOTS8, 1], mbarrier.MBarrierLayout())
+        v8_ready = gl.allocate_shared_memory(gl.int64, [SLOTS8, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(SLOTS8):
+            mbarrier.init(k8_ready.index(i), count=1)
+            mbarrier.init(v8_ready.index(i), count=1)
+        producer_warps: gl.constexpr = 4
+    else:  # (the 8-bit slots' names stand for nothing)
+        k8_smem, v8_smem, k8_ready, v8_ready = k_smem, v_smem, k_ready, v_ready
+        producer_warps: gl.constexpr = 1
+
+    # the consumers' arguments written out twice: constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
         (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
-                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
-                    n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, Q_BUFS,
-                    0)),
+                    turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
+                    n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
+                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, CACHE_SCALES, Q_BUFS, 0)),
         (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
-                    turns.index(0), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
-                    n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, Q_BUFS,
-                    1)),
-        (_load_kv, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
-                    turns.index(1), k_desc, v_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, n_items,
-                    n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8, Q_BUFS,
-                    0)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+                    turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
+                    n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
+                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, CACHE_SCALES, Q_BUFS, 1)),
+        (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                    KScale, VScale, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left,
+                    window_right, stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL,
+                    WINDOW, FP8, CACHE_SCALES)),
+    ], [4, producer_warps], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
@@ -441,6 +555,15 @@ def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
 
 
 SHORT_ITEM_TILES = (128, 64, 240, 5)  # key tiles of 64 split the little work of short items finer
+
+
+def cache8_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int]:
+    """The tiles over an 8-bit cache, whose 8-bit slots take shared memory from the ring. The producer's
+    conversion limits these programs, not the copies: rings of 64-key tiles with up to 4 slots copied ahead
+    measured slower (docs/kernel-notes.md, "An 8-bit cache in the Hopper prefill")."""
+    if short:
+        return (128, 64, 240, 3)
+    return (128, 128, 240, 2) if head_dim == 128 else (128, 128, 240, 3)
 
 
 def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
@@ -461,12 +584,14 @@ def _sm90(device: torch.device) -> bool:
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int | None) -> bool:
     """Whether this kernel takes a prefill of these tensors (q [tokens, Hq, D]; k/v [tokens, Hkv, D], or paged
-    caches [blocks, page, Hkv, D]): a Hopper GPU, 16-bit values alike, head dim 64 or 128, K/V heads in contiguous
-    rows the copy engine can read (16-byte aligned), pages of 16 keys or more."""
+    caches [blocks, page, Hkv, D]): a Hopper GPU, 16-bit queries, K/V alike in their dtype or a paged cache of
+    8-bit values (FP8 e4m3 or INT8, `prefill`'s cache_scales), head dim 64 or 128, K/V heads in contiguous rows
+    the copy engine can read (16-byte aligned), pages of 16 keys or more."""
     dim = q.shape[-1]
     if q.device.type != "cuda" or not _sm90(q.device):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    eight_bit = page_size is not None and k.dtype in _CACHE8 and v.dtype == k.dtype
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (eight_bit or k.dtype == v.dtype == q.dtype):
         return False
     if dim not in (64, 128) or (page_size is not None and page_size < 16):
         return False
@@ -475,55 +600,79 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int | N
                                      and (t.dim() == 3 or t.stride(0) == t.shape[1] * t.stride(1)) for t in (k, v))
 
 
+_CACHE8 = {FP8: gl.float8e4nv, torch.int8: gl.int8}
+_SHARED_MEMORY = 232448  # bytes a Hopper program may take
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, **_CACHE8}
+
+
 def _rows(t: torch.Tensor) -> tuple[list[int], list[int]]:
     """Shape and strides of t [..., tokens or page slots, H, D] seen as rows of tokens: [tokens, H * D]."""
     return [t.numel() // (t.shape[-2] * t.shape[-1]), t.shape[-2] * t.shape[-1]], [t.stride(-3), 1]
 
 
 def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, *,
-            causal, sm_scale_log2, window_size, tiles=None, programs=None, scales=None):
+            causal, sm_scale_log2, window_size, tiles=None, programs=None, scales=None, cache_scales=None):
     """Attention of q [total_q, Hq, D] over k/v: packed [total_k, Hkv, D] with cu_seqlens_k, or paged caches
     [blocks, page, Hkv, D] with seq_lens_k and block_table (max_seqlen_k: None, the table's width stands for
     it). Writes `out` [total_q, Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent
     programs; as many as work items: one each) override the choice `short_items` makes. With `scales`, the
-    FP8 form (`prefill_fp8`: FP8Inputs)."""
+    FP8 form (`prefill_fp8`: FP8Inputs). `cache_scales`: an 8-bit paged cache's (k_scale, v_scale), per KV head
+    (FP8) or per slot and KV head (INT8), as `flashpage.kv.KVCache` keeps them."""
     total_q, hq, dim = q.shape
     paged = block_table is not None
     hkv = k.shape[-2]
     batch = cu_seqlens_q.numel() - 1
+    cache8 = scales is None and k.dtype != q.dtype
+    if cache8 and (not paged or cache_scales is None):
+        raise ValueError(f"{k.dtype} keys are read from a paged cache, with its cache_scales")
     if total_q == 0 or batch == 0:
         return out
     if paged:
         max_seqlen_k = block_table.shape[1] * k.shape[1]
+    if cache8:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too (within range)
+        q = q.to(torch.float16)
     short = short_items(max_seqlen_q, max_seqlen_k, causal)
-    block_m, block_n, regs, stages = tiles or (SHORT_ITEM_TILES if short else default_tiles(dim))
-    # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of 24
-    maxnreg = (2 * regs + 24) // 3 // 8 * 8
+    block_m, block_n, regs, stages = tiles or (cache8_tiles(dim, short) if cache8 else
+                                               SHORT_ITEM_TILES if short else default_tiles(dim))
+    # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of
+    # `producer_regs` (a dequantizing producer needs a few more than one that only issues copies)
+    producer_regs = 512 - 2 * regs if cache8 else 24
+    maxnreg = (2 * regs + producer_regs) // 3 // 8 * 8
     page = k.shape[1] if paged else block_n
     if paged and page < block_n and block_n % page:
         raise ValueError(f"a key tile of {block_n} must hold whole pages of {page}")
     kv_rows = min(page, block_n)
-    gdtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv}[q.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], gdtype)
-    k_desc = TensorDescriptor(k, *_rows(k), [kv_rows, dim], layout)
+    tile_layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], _GLUON_DTYPES[q.dtype])
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, dim], _GLUON_DTYPES[k.dtype])
+    k_desc = TensorDescriptor(k, *_rows(k), [kv_rows, dim], kv_layout)
     if scales is None:
-        v_desc = TensorDescriptor(v, *_rows(v), [kv_rows, dim], layout)
+        v_desc = TensorDescriptor(v, *_rows(v), [kv_rows, dim], kv_layout)
     else:  # Vᵀ [Hkv, D, keys] as rows (KV head, d) of keys
         v_rows = v.view(hkv * dim, v.shape[-1])
         v_desc = TensorDescriptor(v_rows, list(v_rows.shape), [v_rows.stride(0), 1], [dim, block_n],
-                                  gl.NVMMASharedLayout.get_default_for([dim, block_n], gdtype))
+                                  gl.NVMMASharedLayout.get_default_for([dim, block_n], _GLUON_DTYPES[v.dtype]))
     unused = cu_seqlens_q
+    k_scale, v_scale = cache_scales if cache8 else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
     n_items = n_m * hkv * batch
     programs = min(n_items, programs or (sm_count(q.device.index or 0) if short else n_items))
+    q_bufs = 2 if programs < n_items else 1
+    # an 8-bit cache's copies run as far ahead as the shared memory the Q tiles and the ring leave allows, up to 4
+    # tiles (a few hundred bytes stay for the barriers)
+    left = _SHARED_MEMORY - 2 * q_bufs * block_m // 2 * dim * 2 - 2 * stages * block_n * dim * 2 - 1024
+    slots8 = min(4, left // (2 * block_n * dim)) if cache8 else 1
+    if cache8 and slots8 < 2:
+        raise ValueError(f"tiles {(block_m, block_n, regs, stages)} leave no room for the 8-bit cache's copies")
     _prefill_kernel[(programs, )](
         q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
-        unused if scales is None else scales, n_items, n_m, hkv, sm_scale_log2, window_size[0], window_size[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0) if paged else 0,
-        GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages, PAGED=paged,
-        PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1), FP8=scales is not None,
-        Q_BUFS=2 if programs < n_items else 1, CONSUMER_REGS=regs, num_warps=4, maxnreg=maxnreg)
+        unused if scales is None else scales, k_scale, v_scale, n_items, n_m, hkv, sm_scale_log2, window_size[0],
+        window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_table.stride(0) if paged else 0, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        STAGES=stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
+        FP8=scales is not None, CACHE_SCALES=0 if not cache8 else 2 if k_scale.dim() == 3 else 1,
+        TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, CONSUMER_REGS=regs,
+        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
     return out
 
 
