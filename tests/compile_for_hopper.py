@@ -136,14 +136,12 @@ def main() -> None:
                     hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,
                                            causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
                                            programs=programs)
-                # 8-bit caches (FP8: a scale per KV head; INT8: per slot), with their own tiles
-                short = tiles == hopper_prefill.SHORT_ITEM_TILES
-                for pages, scales in ((rand(8, 16, 2, dim).to(torch.float8_e4m3fn), torch.ones(2)),
-                                      (rand(8, 16, 2, dim).to(torch.int8), torch.ones(8, 2, 16))):
-                    hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,
-                                           causal=True, sm_scale_log2=0.1, window_size=(-1, -1),
-                                           tiles=hopper_prefill.cache8_tiles(dim, short), programs=programs,
-                                           cache_scales=(scales, scales))
+                # an FP8 cache (a scale per KV head), with its own tiles
+                pages, ones = rand(8, 16, 2, dim).to(torch.float8_e4m3fn), torch.ones(2)
+                hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,
+                                       causal=True, sm_scale_log2=0.1, window_size=(-1, -1),
+                                       tiles=hopper_prefill.fp8_cache_tiles(dim, tiles[1] == 64), programs=programs,
+                                       cache_scales=(ones, ones))
     # float32 attention (tests' tiny models): float32 products, not TF32
     q, k = rand(40, 8, 64, dtype=torch.float32), rand(40, 2, 64, dtype=torch.float32)
     cu = torch.tensor([0, 17, 40], dtype=torch.int32)

@@ -22,8 +22,8 @@ Masks are bottom-right aligned, as in the portable kernel: query i of a sequence
 k_len - q_len + i.
 
 This is the fast path for what prefill uses (bf16/fp16, head dim 64 or 128, causal or not, windows, a paged or a
-contiguous K/V, a paged cache of 8-bit values: its producer is then a warpgroup that converts each tile to 16 bits
-as it lands), and the opt-in FP8 prefill of contiguous K/V (`prefill_fp8`: e4m3 products, Vᵀ in its slots,
+contiguous K/V, a paged FP8 cache: its producer is then a warpgroup that converts each tile to fp16 as it
+lands), and the opt-in FP8 prefill of contiguous K/V (`prefill_fp8`: e4m3 products, Vᵀ in its slots,
 per-head scales folded into the softmax and the output); everything else (token trees, block-sparse patterns,
 batch invariance, older GPUs, the CPU interpreter) runs on the portable kernel. The GPU tests are
 `tests/test_hopper_prefill.py`.
@@ -235,13 +235,9 @@ def _chunk_layout(head_dim):
 
 
 @gluon.jit
-def _dequantize(src, dst, Scale, BlockTable, seq, stride_bt, start, k_len, kv_head, n_kv,
-                CACHE_SCALES: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
-    """src's 8-bit values in dst's dtype (fp16), 16 per thread at a time (the converting warpgroup has few
-    registers): an FP8 cache's exactly (CACHE_SCALES 1: its per-head scale folds into the consumers' softmax and
-    output), an INT8 cache's times their scales (2: per slot and KV head, [blocks, Hkv, PAGE_SIZE]; a slot past
-    the sequence's last page is its last page's, as in _issue_kv)."""
+def _widen(src, dst, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """dst = src's e4m3 values in fp16 (exactly; their per-head scales fold into the consumers' softmax and output),
+    16 per thread at a time: the converting warpgroup has few registers."""
     CHUNK: gl.constexpr = 2048 // HEAD_DIM
     layout: gl.constexpr = _chunk_layout(HEAD_DIM)
     # each chunk's load is issued before the previous chunk's store: the compiler puts a barrier between a store
@@ -251,24 +247,18 @@ def _dequantize(src, dst, Scale, BlockTable, seq, stride_bt, start, k_len, kv_he
         x = x_next
         if c + 1 < BLOCK_N // CHUNK:
             x_next = src.slice((c + 1) * CHUNK, CHUNK).load(layout)
-        if CACHE_SCALES == 2:
-            pos = start + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            page = gl.minimum(pos // PAGE_SIZE, (k_len - 1) // PAGE_SIZE)
-            block = gl.load(BlockTable + seq * stride_bt + page).to(gl.int64)
-            x = x.to(gl.float32) * gl.load(Scale + (block * n_kv + kv_head) * PAGE_SIZE + pos % PAGE_SIZE)[:, None]
         dst.slice(c * CHUNK, CHUNK).store(x.to(dst.dtype))
 
 
 @gluon.jit
-def _load_dequantized_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready,
-                         kv_empty, KScale, VScale, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv,
-                         window_left, window_right, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                         CAUSAL: gl.constexpr, WINDOW: gl.constexpr, CACHE_SCALES: gl.constexpr):
-    """The producer over an 8-bit cache, a warpgroup: its copy engine fills the 8-bit slots, copying the tiles
-    up to len(k8_smem) - 1 ahead of the one it converts, and it writes each tile's values in fp16 (_dequantize)
-    into the ring the consumers read, as the copy engine does for a 16-bit cache. FA3 transposes FP8's V in its
-    producer the same way."""
+def _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                 CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """The producer over an FP8 cache, a warpgroup: its copy engine fills the 8-bit slots, copying the tiles up
+    to len(k8_smem) - 1 ahead of the one it converts, and it writes each tile's values in fp16 (_widen) into the
+    ring the consumers read, as the copy engine does for a 16-bit cache. FA3 transposes FP8's V in its producer
+    the same way."""
     SLOTS8: gl.constexpr = k8_smem.shape[0]
     tile = 0  # key tiles produced so far, over all of the program's items: the ring's position
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
@@ -290,17 +280,14 @@ def _load_dequantized_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k
                               k_len, kv_head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, False)
                 slot = cur % STAGES
                 mbarrier.wait(kv_empty.index(slot), ((cur // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
-                start = lo + i * BLOCK_N
                 slot8 = cur % SLOTS8
                 mbarrier.wait(k8_ready.index(slot8), (cur // SLOTS8) & 1)
-                _dequantize(k8_smem.index(slot8), k_smem.index(slot), KScale, BlockTable, seq, stride_bt, start,
-                            k_len, kv_head, n_kv, CACHE_SCALES, PAGE_SIZE, BLOCK_N, HEAD_DIM)
+                _widen(k8_smem.index(slot8), k_smem.index(slot), BLOCK_N, HEAD_DIM)
                 fence_async_shared()  # the tensor cores read shared memory through the async proxy
                 gl.thread_barrier()
                 mbarrier.arrive(k_ready.index(slot), count=1)
                 mbarrier.wait(v8_ready.index(slot8), (cur // SLOTS8) & 1)
-                _dequantize(v8_smem.index(slot8), v_smem.index(slot), VScale, BlockTable, seq, stride_bt, start,
-                            k_len, kv_head, n_kv, CACHE_SCALES, PAGE_SIZE, BLOCK_N, HEAD_DIM)
+                _widen(v8_smem.index(slot8), v_smem.index(slot), BLOCK_N, HEAD_DIM)
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(v_ready.index(slot), count=1)
@@ -308,17 +295,16 @@ def _load_dequantized_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k
 
 
 @gluon.jit
-def _produce(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty, KScale,
-             VScale, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
-             stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+def _produce(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
+             CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
+             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-             WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr):
-    """The producer partition: _load_dequantized_kv over an 8-bit cache, else _load_kv."""
-    if CACHE_SCALES:
-        _load_dequantized_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready,
-                             kv_empty, KScale, VScale, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv,
-                             window_left, window_right, stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES,
-                             PAGE_SIZE, CAUSAL, WINDOW, CACHE_SCALES)
+             WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr):
+    """The producer partition: _load_fp8_kv over an FP8 cache, else _load_kv."""
+    if FP8_CACHE:
+        _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                     CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
+                     GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGE_SIZE, CAUSAL, WINDOW)
     else:
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
                  BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP, HEAD_DIM, ROWS,
@@ -341,7 +327,7 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
                  VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
                  window_right, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-                 WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr, WG: gl.constexpr):
+                 WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
     to Out through o_smem (q_smem itself, but for FP8's 8-bit Q). `tile` counts the ring's tiles before this item,
     `rnd` the tensor-core turns."""
@@ -368,7 +354,7 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     if FP8:  # Scales [Hkv, GROUP + 2]: a KV head's group's Q scales, then its K and V scales
         row_scale *= gl.load(Scales + kv_head * (GROUP + 2) + rows % GROUP) * gl.load(
             Scales + kv_head * (GROUP + 2) + GROUP)
-    if CACHE_SCALES == 1:  # an FP8 cache's per-head scales (its values reach the tensor cores unscaled)
+    if FP8_CACHE:  # an FP8 cache's per-head scales (its values reach the tensor cores unscaled)
         row_scale *= gl.load(KScale + kv_head)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.full([ROWS], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -421,7 +407,7 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
     if FP8:
         out = out * gl.load(Scales + kv_head * (GROUP + 2) + GROUP + 1)
-    if CACHE_SCALES == 1:
+    if FP8_CACHE:
         out = out * gl.load(VScale + kv_head)
     # through shared memory: from the accumulator's layout a thread would store 4 bytes per row, from a row
     # layout 16 (docs/kernel-notes.md, "The output through shared memory")
@@ -430,7 +416,7 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     out_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    # (over an 8-bit cache the products run in fp16, and Out may be bf16)
+    # (over an FP8 cache the products run in fp16, and Out may be bf16)
     gl.store(Out + _row_offsets(out_rows, out_d, q_start, kv_head, stride_ot, stride_oh, GROUP),
              o_smem.load(layout).to(Out.dtype.element_ty), mask=(out_rows < q_len * GROUP)[:, None])
 
@@ -440,7 +426,7 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
              CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
-             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr,
+             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
              Q_BUFS: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items. Its Q
     buffers are q_smem's [WG * Q_BUFS, (WG + 1) * Q_BUFS): with two, the next item's Q is copied in while this
@@ -472,7 +458,7 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
             _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
                          other_turn, Scales, KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles,
                          tile, rnd, sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP, HEAD_DIM,
-                         ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, CACHE_SCALES, WG)
+                         ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, WG)
             tile += n_tiles
             rnd += n_tiles + 1
         j += 1
@@ -486,11 +472,11 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
                     n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, CACHE_SCALES: gl.constexpr,
+                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
                     TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr, Q_BUFS: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp (a
-    warpgroup over an 8-bit cache, CACHE_SCALES 1 or 2: _load_dequantized_kv). A program takes work items
+    warpgroup over an FP8 cache, FP8_CACHE: _load_fp8_kv). A program takes work items
     program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes several (their Q
     double-buffered), else 1. TILE_LAYOUT: the shared layout of the Q, K and V tiles the tensor cores read;
     SLOTS8: the 8-bit tiles the copy engine fills ahead of the conversion."""
@@ -518,7 +504,7 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
 
-    if CACHE_SCALES:  # the copy engine's 8-bit slots, converted into the ring by the producer
+    if FP8_CACHE:  # the copy engine's 8-bit slots, converted into the ring by the producer
         k8_smem = gl.allocate_shared_memory(k_desc.dtype, [SLOTS8, BLOCK_N, HEAD_DIM], k_desc.layout)
         v8_smem = gl.allocate_shared_memory(v_desc.dtype, [SLOTS8, BLOCK_N, HEAD_DIM], v_desc.layout)
         k8_ready = gl.allocate_shared_memory(gl.int64, [SLOTS8, 1], mbarrier.MBarrierLayout())
@@ -536,15 +522,15 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
         (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
                     turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, CACHE_SCALES, Q_BUFS, 0)),
+                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 0)),
         (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
                     turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, CACHE_SCALES, Q_BUFS, 1)),
+                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 1)),
         (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                    KScale, VScale, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left,
-                    window_right, stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL,
-                    WINDOW, FP8, CACHE_SCALES)),
+                    CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8,
+                    FP8_CACHE)),
     ], [4, producer_warps], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -557,10 +543,10 @@ def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
 SHORT_ITEM_TILES = (128, 64, 240, 5)  # key tiles of 64 split the little work of short items finer
 
 
-def cache8_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int]:
-    """The tiles over an 8-bit cache, whose 8-bit slots take shared memory from the ring. The producer's
+def fp8_cache_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int]:
+    """The tiles over an FP8 cache, whose 8-bit slots take shared memory from the ring. The producer's
     conversion limits these programs, not the copies: rings of 64-key tiles with up to 4 slots copied ahead
-    measured slower (docs/kernel-notes.md, "An 8-bit cache in the Hopper prefill")."""
+    measured slower (docs/kernel-notes.md, "An FP8 cache in the Hopper prefill")."""
     if short:
         return (128, 64, 240, 3)
     return (128, 128, 240, 2) if head_dim == 128 else (128, 128, 240, 3)
@@ -584,14 +570,15 @@ def _sm90(device: torch.device) -> bool:
 
 def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int | None) -> bool:
     """Whether this kernel takes a prefill of these tensors (q [tokens, Hq, D]; k/v [tokens, Hkv, D], or paged
-    caches [blocks, page, Hkv, D]): a Hopper GPU, 16-bit queries, K/V alike in their dtype or a paged cache of
-    8-bit values (FP8 e4m3 or INT8, `prefill`'s cache_scales), head dim 64 or 128, K/V heads in contiguous rows
-    the copy engine can read (16-byte aligned), pages of 16 keys or more."""
+    caches [blocks, page, Hkv, D]): a Hopper GPU, 16-bit queries, K/V alike in their dtype or a paged FP8 (e4m3)
+    cache (`prefill`'s cache_scales; an INT8 cache's per-slot scales made the conversion too slow to pay), head
+    dim 64 or 128, K/V heads in contiguous rows the copy engine can read (16-byte aligned), pages of 16 keys or
+    more."""
     dim = q.shape[-1]
     if q.device.type != "cuda" or not _sm90(q.device):
         return False
-    eight_bit = page_size is not None and k.dtype in _CACHE8 and v.dtype == k.dtype
-    if q.dtype not in (torch.bfloat16, torch.float16) or not (eight_bit or k.dtype == v.dtype == q.dtype):
+    fp8_cache = page_size is not None and k.dtype == v.dtype == FP8
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (fp8_cache or k.dtype == v.dtype == q.dtype):
         return False
     if dim not in (64, 128) or (page_size is not None and page_size < 16):
         return False
@@ -600,9 +587,8 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int | N
                                      and (t.dim() == 3 or t.stride(0) == t.shape[1] * t.stride(1)) for t in (k, v))
 
 
-_CACHE8 = {FP8: gl.float8e4nv, torch.int8: gl.int8}
 _SHARED_MEMORY = 232448  # bytes a Hopper program may take
-_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, **_CACHE8}
+_GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8: gl.float8e4nv}
 
 
 def _rows(t: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -616,27 +602,27 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     [blocks, page, Hkv, D] with seq_lens_k and block_table (max_seqlen_k: None, the table's width stands for
     it). Writes `out` [total_q, Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent
     programs; as many as work items: one each) override the choice `short_items` makes. With `scales`, the
-    FP8 form (`prefill_fp8`: FP8Inputs). `cache_scales`: an 8-bit paged cache's (k_scale, v_scale), per KV head
-    (FP8) or per slot and KV head (INT8), as `flashpage.kv.KVCache` keeps them."""
+    FP8 form (`prefill_fp8`: FP8Inputs). `cache_scales`: an FP8 paged cache's (k_scale, v_scale), one per KV
+    head, as `flashpage.kv.KVCache` keeps them."""
     total_q, hq, dim = q.shape
     paged = block_table is not None
     hkv = k.shape[-2]
     batch = cu_seqlens_q.numel() - 1
-    cache8 = scales is None and k.dtype != q.dtype
-    if cache8 and (not paged or cache_scales is None):
-        raise ValueError(f"{k.dtype} keys are read from a paged cache, with its cache_scales")
+    fp8_cache = scales is None and k.dtype != q.dtype
+    if fp8_cache and (not paged or cache_scales is None):
+        raise ValueError(f"{k.dtype} keys are read from a paged FP8 cache, with its cache_scales")
     if total_q == 0 or batch == 0:
         return out
     if paged:
         max_seqlen_k = block_table.shape[1] * k.shape[1]
-    if cache8:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too (within range)
+    if fp8_cache:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too (within range)
         q = q.to(torch.float16)
     short = short_items(max_seqlen_q, max_seqlen_k, causal)
-    block_m, block_n, regs, stages = tiles or (cache8_tiles(dim, short) if cache8 else
+    block_m, block_n, regs, stages = tiles or (fp8_cache_tiles(dim, short) if fp8_cache else
                                                SHORT_ITEM_TILES if short else default_tiles(dim))
     # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of
     # `producer_regs` (a dequantizing producer needs a few more than one that only issues copies)
-    producer_regs = 512 - 2 * regs if cache8 else 24
+    producer_regs = 512 - 2 * regs if fp8_cache else 24
     maxnreg = (2 * regs + producer_regs) // 3 // 8 * 8
     page = k.shape[1] if paged else block_n
     if paged and page < block_n and block_n % page:
@@ -652,17 +638,17 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         v_desc = TensorDescriptor(v_rows, list(v_rows.shape), [v_rows.stride(0), 1], [dim, block_n],
                                   gl.NVMMASharedLayout.get_default_for([dim, block_n], _GLUON_DTYPES[v.dtype]))
     unused = cu_seqlens_q
-    k_scale, v_scale = cache_scales if cache8 else (unused, unused)
+    k_scale, v_scale = cache_scales if fp8_cache else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
     n_items = n_m * hkv * batch
     programs = min(n_items, programs or (sm_count(q.device.index or 0) if short else n_items))
     q_bufs = 2 if programs < n_items else 1
-    # an 8-bit cache's copies run as far ahead as the shared memory the Q tiles and the ring leave allows, up to 4
+    # an FP8 cache's copies run as far ahead as the shared memory the Q tiles and the ring leave allows, up to 4
     # tiles (a few hundred bytes stay for the barriers)
     left = _SHARED_MEMORY - 2 * q_bufs * block_m // 2 * dim * 2 - 2 * stages * block_n * dim * 2 - 1024
-    slots8 = min(4, left // (2 * block_n * dim)) if cache8 else 1
-    if cache8 and slots8 < 2:
-        raise ValueError(f"tiles {(block_m, block_n, regs, stages)} leave no room for the 8-bit cache's copies")
+    slots8 = min(4, left // (2 * block_n * dim)) if fp8_cache else 1
+    if fp8_cache and slots8 < 2:
+        raise ValueError(f"tiles {(block_m, block_n, regs, stages)} leave no room for the FP8 cache's copies")
     _prefill_kernel[(programs, )](
         q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
@@ -670,7 +656,7 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
-        FP8=scales is not None, CACHE_SCALES=0 if not cache8 else 2 if k_scale.dim() == 3 else 1,
+        FP8=scales is not None, FP8_CACHE=fp8_cache,
         TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, CONSUMER_REGS=regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
     return out
