@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashpage.kernels import hopper_prefill
+from flashpage.kernels import reference as ref
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
 from flashpage.kv import KVCache
 
@@ -46,21 +47,17 @@ def reference(q, k, v, causal, window, dtype):
 
 
 def quantize(cache, cache_dtype):
-    """An 8-bit copy of a paged cache [blocks, page, Hkv, D] (NaN in its unused slots) as flashpage.kv.KVCache keeps
-    it: FP8 with a scale per KV head, INT8 with one per slot and KV head ([blocks, Hkv, page]; NaN where unused)."""
+    """An 8-bit copy of a paged cache [blocks, page, Hkv, D] (NaN in its unused slots), stored as the cache writer
+    stores it (`reference.quantize_for_cache`): FP8 with a scale per KV head, INT8 with one per slot and KV head
+    ([blocks, Hkv, page]; NaN where the slot is unused)."""
+    flat = cache.flatten(0, 1)
     if cache_dtype == torch.float8_e4m3fn:
         amax = cache.nan_to_num(0).abs().amax((0, 1, 3)).float()
         scale = amax / 448 * torch.empty_like(amax).uniform_(1, 2)  # some heads' values short of the range
-        return (cache.float() / scale[:, None]).to(cache_dtype), scale
-    scale = cache.abs().amax(3).float() / 127  # NaN where the slot is unused
-    values = (cache.float() / scale[..., None]).round().nan_to_num(0).to(torch.int8)
-    return values, scale.transpose(1, 2).contiguous()
-
-
-def dequantize(values, scale):
-    if values.dtype == torch.int8:
-        return values.float() * scale.transpose(1, 2)[..., None]
-    return values.float() * scale[:, None]
+        return ref.quantize_for_cache(flat, cache_dtype, scale)[0].view_as(cache), scale
+    values, scale = ref.quantize_for_cache(flat.nan_to_num(0), cache_dtype)
+    scale = scale.masked_fill(flat.isnan().any(-1), float("nan")).view(cache.shape[:3])
+    return values.view_as(cache), scale.transpose(1, 2).contiguous()
 
 
 def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=None, dtype=torch.bfloat16,
@@ -99,11 +96,9 @@ def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=No
         if cache_dtype is not None:
             (k8, k_scale), (v8, v_scale) = quantize(k_cache, cache_dtype), quantize(v_cache, cache_dtype)
             cache = KVCache(k8, v8, k_scale, v_scale)
-            k_deq, v_deq = dequantize(k8, k_scale), dequantize(v8, v_scale)
             for i, n in enumerate(k_lens):
-                blocks = table[i, :pages[i]].long()
-                ks[i] = k_deq[blocks].flatten(0, 1)[:n].to(dtype)
-                vs[i] = v_deq[blocks].flatten(0, 1)[:n].to(dtype)
+                k_deq, v_deq = ref.read_pages(cache, table[i, :pages[i]], torch.float32)
+                ks[i], vs[i] = k_deq.flatten(0, 1)[:n].to(dtype), v_deq.flatten(0, 1)[:n].to(dtype)
         served = hopper_prefill.serves(q, cache.k, cache.v, page)
         paged_attention(q, cache, table, cu_q, torch.tensor(k_lens, device="cuda").int(), max(q_lens),
                         causal=causal, window_size=window, out=out)
