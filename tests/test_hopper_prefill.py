@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flashpage.kernels import hopper_prefill
-from flashpage.kernels import reference as ref
+from flashpage.kernels.reference import quantize_for_cache, read_pages
 from flashpage.kernels.triton_ops import flash_attn_varlen, paged_attention
 from flashpage.kv import KVCache
 
@@ -48,14 +48,14 @@ def reference(q, k, v, causal, window, dtype):
 
 def quantize(cache, cache_dtype):
     """An 8-bit copy of a paged cache [blocks, page, Hkv, D] (NaN in its unused slots), stored as the cache writer
-    stores it (`reference.quantize_for_cache`): FP8 with a scale per KV head, INT8 with one per slot and KV head
-    ([blocks, Hkv, page]; NaN where the slot is unused)."""
+    stores it (`quantize_for_cache`): FP8 with a scale per KV head, INT8 with one per slot and KV head ([blocks, Hkv,
+    page]; NaN where the slot is unused)."""
     flat = cache.flatten(0, 1)
     if cache_dtype == torch.float8_e4m3fn:
         amax = cache.nan_to_num(0).abs().amax((0, 1, 3)).float()
         scale = amax / 448 * torch.empty_like(amax).uniform_(1, 2)  # some heads' values short of the range
-        return ref.quantize_for_cache(flat, cache_dtype, scale)[0].view_as(cache), scale
-    values, scale = ref.quantize_for_cache(flat.nan_to_num(0), cache_dtype)
+        return quantize_for_cache(flat, cache_dtype, scale)[0].view_as(cache), scale
+    values, scale = quantize_for_cache(flat.nan_to_num(0), cache_dtype)
     scale = scale.masked_fill(flat.isnan().any(-1), float("nan")).view(cache.shape[:3])
     return values.view_as(cache), scale.transpose(1, 2).contiguous()
 
@@ -97,7 +97,7 @@ def check(q_lens, k_lens, hq, hkv, dim, *, causal=True, window=(-1, -1), page=No
             (k8, k_scale), (v8, v_scale) = quantize(k_cache, cache_dtype), quantize(v_cache, cache_dtype)
             cache = KVCache(k8, v8, k_scale, v_scale)
             for i, n in enumerate(k_lens):
-                k_deq, v_deq = ref.read_pages(cache, table[i, :pages[i]], torch.float32)
+                k_deq, v_deq = read_pages(cache, table[i, :pages[i]], torch.float32)
                 ks[i], vs[i] = k_deq.flatten(0, 1)[:n].to(dtype), v_deq.flatten(0, 1)[:n].to(dtype)
         served = hopper_prefill.serves(q, cache.k, cache.v, page)
         paged_attention(q, cache, table, cu_q, torch.tensor(k_lens, device="cuda").int(), max(q_lens),
