@@ -43,11 +43,12 @@ def tile_dot(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def exact_cast(x, dtype):
-    """A tile of the cache in the queries' dtype: a quantized cache's values convert exactly, by way of float32
-    (for e4m3 on an H100 that took 0.22 ms at 64x4k instead of 0.31 converting directly, docs/kernel-notes.md;
-    and Triton 3.6's interpreter converts int8 to bf16 wrongly). A tile already in `dtype` stays as it is."""
+    """A tile of the cache in the queries' dtype: a quantized cache's values convert exactly, to bf16 by way of
+    float32 (for e4m3 on an H100 that took 0.22 ms at 64x4k instead of 0.31 converting directly, docs/kernel-notes.md;
+    and Triton 3.6's interpreter converts int8 to bf16 wrongly), e4m3 to fp16 directly. A tile already in `dtype`
+    stays as it is."""
     if x.dtype != dtype:
-        if x.dtype == tl.int8 or x.dtype == tl.float8e4nv:
+        if x.dtype == tl.int8 or (x.dtype == tl.float8e4nv and dtype != tl.float16):
             x = x.to(tl.float32)
         x = x.to(dtype)
     return x
@@ -189,11 +190,14 @@ def _attend_sequence(
         unmasked_hi = lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
 
     # A quantized cache's scales (flashpage.kv.cache): an FP8 cache's, one per KV head, scale the scores and the
-    # output; an INT8 cache's, one per key, are applied tile by tile.
+    # output; an INT8 cache's, one per key, are applied tile by tile. Over an FP8 cache the products run in fp16:
+    # queries are clamped to its range, and probabilities keep three more bits than in bf16.
     v_scale = 1.0
     if KV_SCALES == 1:
         sm_scale_log2 = sm_scale_log2 * tl.load(KScale + kv_head)
         v_scale = tl.load(VScale + kv_head)
+        # e4m3 widens to fp16 in one instruction (to bf16 by way of float32 in four)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
