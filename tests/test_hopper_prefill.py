@@ -157,6 +157,23 @@ def test_quantized_cache(dim, cache_dtype):
     check([1, 300, 1000], [10, 800, 1000], 32, 8, dim, page=16, dtype=torch.float16, cache_dtype=cache_dtype)
 
 
+def test_fp8_cache_clamps_queries_to_fp16():
+    """The Gluon prefill over an FP8 cache multiplies in fp16: a query past its range is clamped (as the decode
+    does), so its row stays finite; unclamped it becomes inf and its scores NaN."""
+    k_cache = torch.randn(20, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    (k8, k_scale), (v8, v_scale) = quantize(k_cache, torch.float8_e4m3fn), quantize(torch.randn_like(k_cache),
+                                                                                    torch.float8_e4m3fn)
+    cache = KVCache(k8, v8, k_scale, v_scale)
+    q = torch.randn(300, 32, 128, device="cuda", dtype=torch.bfloat16)
+    q[7, 3, :5] = 1e6
+    table = torch.randperm(20, device="cuda", dtype=torch.int32)[None]
+    cu_q = torch.tensor([0, 300], device="cuda", dtype=torch.int32)
+    assert hopper_prefill.serves(q, cache.k, cache.v, 16)
+    out = paged_attention(q, cache, table, cu_q, torch.tensor([320], device="cuda", dtype=torch.int32), 300,
+                          out=torch.full_like(q, float("nan")))
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("dim", [64, 128])
 def test_fp8_prefill(dim):
     """FP8 (e4m3) prefill on FP8 tensor cores: against float32 math on the same quantized values its error is P's

@@ -75,6 +75,19 @@ def test_paged_attention_reads_a_quantized_cache(kind, lens_k, lens_q, page, hq,
         assert rel_err(got, expected.cpu()) < 1e-5
 
 
+def test_fp8_cache_clamps_queries_to_fp16():
+    """Over an FP8 cache the products run in fp16: a query past fp16's range is clamped to it, so its row stays
+    finite (unclamped it becomes inf, and its scores NaN); the other rows are untouched."""
+    cache, table, seq_lens, cu_q = quantized_case("fp8", [37, 300], [1, 1], 16, 2, 64)
+    q = rand(2, 8, 64, dtype=torch.bfloat16)
+    q[0, 1, :5] = 1e6
+    for splits in (1, 3):
+        out = tri.paged_attention(q, cache, table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
+        assert torch.isfinite(out).all()
+        expected = ref.paged_attention(q.double(), dequantized(cache), table, cu_q, seq_lens, 1)
+        assert rel_err(out[1], expected[1]) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("kind", DTYPES)
 def test_cache_writes_quantize_as_the_reference(kind):
     """reshape_and_cache and the fused rotary + cache write store what the reference does: FP8 divided by the

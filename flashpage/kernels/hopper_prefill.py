@@ -615,8 +615,8 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         return out
     if paged:
         max_seqlen_k = block_table.shape[1] * k.shape[1]
-    if fp8_cache:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too (within range)
-        q = q.to(torch.float16)
+    if fp8_cache:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too within its range
+        q = torch.nan_to_num(q.to(torch.float16), float("nan"), 65504.0, -65504.0)  # beyond it: clamped, as in decode
     short = short_items(max_seqlen_q, max_seqlen_k, causal)
     block_m, block_n, regs, stages = tiles or (fp8_cache_tiles(dim, short) if fp8_cache else
                                                SHORT_ITEM_TILES if short else default_tiles(dim))
