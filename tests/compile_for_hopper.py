@@ -124,7 +124,8 @@ def main() -> None:
         # items' tiles in persistent programs (2 for 4 work items: Q double-buffered) and the others one per item
         for dim in (64, 128):
             q, k = rand(40, 8, dim, dtype=dtype), rand(40, 2, dim, dtype=dtype)
-            for tiles, programs in ((hopper_prefill.SHORT_ITEM_TILES, 2), (hopper_prefill.default_tiles(dim), 10**9)):
+            for short, programs in ((True, 2), (False, 10**9)):
+                tiles = hopper_prefill.short_item_tiles(dim) if short else hopper_prefill.default_tiles(dim)
                 for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (7, 0))):
                     hopper_prefill.prefill(q, k, k, torch.empty_like(q), cu, cu, None, None, 23, 23, causal=causal,
                                            sm_scale_log2=0.1, window_size=window, tiles=tiles, programs=programs)
@@ -140,7 +141,7 @@ def main() -> None:
                 pages, ones = rand(8, 16, 2, dim).to(torch.float8_e4m3fn), torch.ones(2)
                 hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,
                                        causal=True, sm_scale_log2=0.1, window_size=(-1, -1),
-                                       tiles=hopper_prefill.fp8_cache_tiles(dim, tiles[1] == 64), programs=programs,
+                                       tiles=hopper_prefill.fp8_cache_tiles(dim, short), programs=programs,
                                        cache_scales=(ones, ones))
     # float32 attention (tests' tiny models): float32 products, not TF32
     q, k = rand(40, 8, 64, dtype=torch.float32), rand(40, 2, 64, dtype=torch.float32)

@@ -49,29 +49,36 @@ from flashpage.kernels.quantize import quantize_heads
 
 
 @gluon.jit
-def _issue_kv(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, BlockTable, seq, stride_bt, start, k_start, k_len,
-              kv_col, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
-    """Start copying the K and V tiles of keys [start, start + BLOCK_N) into k_smem and v_smem. A paged tile's
+def _issue_tile(desc, smem, bar, BlockTable, seq, stride_bt, start, k_start, k_len, kv_col, PAGED: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Start copying the K or V tile of keys [start, start + BLOCK_N) into smem, completing on bar. A paged tile's
     pages past the sequence's last are its last again (the block table has no entries there; the consumers mask
-    those keys and zero those values). FP8's V is transposed, [Hkv * D, keys]: a [D, BLOCK_N] tile."""
-    mbarrier.expect(k_bar, k_desc.block_type.nbytes * (BLOCK_N // k_desc.block_type.shape[0]))
-    if FP8:
-        mbarrier.expect(v_bar, v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_start + start, kv_col], k_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_col, k_start + start], v_bar, v_smem)
+    those keys and zero those values). TRANSPOSED: FP8's Vᵀ, [Hkv * D, keys]: a [D, BLOCK_N] tile."""
+    if TRANSPOSED:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [kv_col, k_start + start], bar, smem)
     elif PAGED:
-        mbarrier.expect(v_bar, v_desc.block_type.nbytes * (BLOCK_N // v_desc.block_type.shape[0]))
-        ROWS: gl.constexpr = k_desc.block_type.shape[0]  # a page, or BLOCK_N keys of a larger page
+        ROWS: gl.constexpr = desc.block_type.shape[0]  # a page, or BLOCK_N keys of a larger page
+        mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // ROWS))
         for p in gl.static_range(BLOCK_N // ROWS):
             pos = start + p * ROWS
             page = gl.minimum(pos // PAGE_SIZE, (k_len - 1) // PAGE_SIZE)
             row = gl.load(BlockTable + seq * stride_bt + page) * PAGE_SIZE + pos % PAGE_SIZE
-            tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bar, k_smem.slice(p * ROWS, ROWS))
-            tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bar, v_smem.slice(p * ROWS, ROWS))
+            tma.async_copy_global_to_shared(desc, [row, kv_col], bar, smem.slice(p * ROWS, ROWS))
     else:
-        mbarrier.expect(v_bar, v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [k_start + start, kv_col], k_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [k_start + start, kv_col], v_bar, v_smem)
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [k_start + start, kv_col], bar, smem)
+
+
+@gluon.jit
+def _fill(desc, ring, ready, empty, g, BlockTable, seq, stride_bt, start, k_start, k_len, kv_col, PAGED: gl.constexpr,
+          PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """Copy the program's g-th K (or V) tile into its ring slot, once both consumers have released the slot's last
+    tile (a fresh barrier counts as released)."""
+    slot = g % ring.shape[0]
+    mbarrier.wait(empty.index(slot), ((g // ring.shape[0]) & 1) ^ 1)
+    _issue_tile(desc, ring.index(slot), ready.index(slot), BlockTable, seq, stride_bt, start, k_start, k_len, kv_col,
+                PAGED, PAGE_SIZE, BLOCK_N, TRANSPOSED)
 
 
 @gluon.jit
@@ -204,26 +211,29 @@ def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: 
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
              BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP: gl.constexpr,
-             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-             FP8: gl.constexpr):
-    """The producer warp: fill the K/V ring, a slot as soon as both consumers are done with it, running on into
-    the program's next work item while the consumers finish one."""
-    tile = 0  # key tiles issued so far, over all of the program's items: the ring's position
+             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
+             PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr):
+    """The producer warp: fill the K and V rings, a slot as soon as both consumers are done with it, running on
+    into the program's next work item while the consumers finish one. Each K tile goes out before the V tile ahead
+    of it, as the consumers need them (the scores of tile i + 1 and P V of tile i go to the tensor cores together),
+    so the K ring can be deeper than the V ring (FA3 keeps separate K and V pipelines too)."""
+    tile = 0  # key tiles issued so far, over all of the program's items: the rings' position
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
             PAGED, CAUSAL, WINDOW, FP8)
         if has_rows:
+            col = kv_head * HEAD_DIM
+            _fill(k_desc, k_smem, k_ready, k_empty, tile, BlockTable, seq, stride_bt, lo, k_start, k_len, col, PAGED,
+                  PAGE_SIZE, BLOCK_N, False)
             for i in range(n_tiles):
-                slot = (tile + i) % STAGES
-                # a fresh barrier counts as released
-                mbarrier.wait(kv_empty.index(slot), (((tile + i) // STAGES) & 1) ^ 1)
-                _issue_kv(k_desc, v_desc, k_smem.index(slot), v_smem.index(slot), k_ready.index(slot),
-                          v_ready.index(slot), BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start, k_len,
-                          kv_head * HEAD_DIM, PAGED, PAGE_SIZE, BLOCK_N, FP8)
+                if i + 1 < n_tiles:
+                    _fill(k_desc, k_smem, k_ready, k_empty, tile + i + 1, BlockTable, seq, stride_bt,
+                          lo + (i + 1) * BLOCK_N, k_start, k_len, col, PAGED, PAGE_SIZE, BLOCK_N, False)
+                _fill(v_desc, v_smem, v_ready, v_empty, tile + i, BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start,
+                      k_len, col, PAGED, PAGE_SIZE, BLOCK_N, FP8)
             tile += n_tiles
 
 
@@ -251,64 +261,74 @@ def _widen(src, dst, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 
 @gluon.jit
-def _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                 CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
+def _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, g, BlockTable, seq, stride_bt, start, k_len,
+               kv_col, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Start copying the program's g-th K and V tiles of an FP8 cache into their 8-bit slot."""
+    slot8 = g % k8_smem.shape[0]
+    _issue_tile(k_desc, k8_smem.index(slot8), k8_ready.index(slot8), BlockTable, seq, stride_bt, start, 0, k_len,
+                kv_col, True, PAGE_SIZE, BLOCK_N, False)
+    _issue_tile(v_desc, v8_smem.index(slot8), v8_ready.index(slot8), BlockTable, seq, stride_bt, start, 0, k_len,
+                kv_col, True, PAGE_SIZE, BLOCK_N, False)
+
+
+@gluon.jit
+def _widen_into(src8, ready8, g, ring, ready, empty, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Once the program's g-th 8-bit tile has landed and its ring slot is free, write it there in fp16."""
+    slot = g % ring.shape[0]
+    mbarrier.wait(empty.index(slot), ((g // ring.shape[0]) & 1) ^ 1)  # a fresh barrier counts as released
+    slot8 = g % src8.shape[0]
+    mbarrier.wait(ready8.index(slot8), (g // src8.shape[0]) & 1)
+    _widen(src8.index(slot8), ring.index(slot), BLOCK_N, HEAD_DIM)
+    fence_async_shared()  # the tensor cores read shared memory through the async proxy
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
+                 v_empty, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                 PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer over an FP8 cache, a warpgroup: its copy engine fills the 8-bit slots, copying the tiles up
     to len(k8_smem) - 1 ahead of the one it converts, and it writes each tile's values in fp16 (_widen) into the
-    ring the consumers read, as the copy engine does for a 16-bit cache. FA3 transposes FP8's V in its producer
+    rings the consumers read, as the copy engine does for a 16-bit cache. FA3 transposes FP8's V in its producer
     the same way."""
     SLOTS8: gl.constexpr = k8_smem.shape[0]
-    tile = 0  # key tiles produced so far, over all of the program's items: the ring's position
+    tile = 0  # key tiles produced so far, over all of the program's items: the rings' position
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensQ, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
             True, CAUSAL, WINDOW, False)
         if has_rows:
+            col = kv_head * HEAD_DIM
             for i in range(gl.minimum(SLOTS8 - 1, n_tiles)):
-                slot8 = (tile + i) % SLOTS8
-                _issue_kv(k_desc, v_desc, k8_smem.index(slot8), v8_smem.index(slot8), k8_ready.index(slot8),
-                          v8_ready.index(slot8), BlockTable, seq, stride_bt, lo + i * BLOCK_N, 0, k_len,
-                          kv_head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, False)
+                _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, tile + i, BlockTable, seq, stride_bt,
+                           lo + i * BLOCK_N, k_len, col, PAGE_SIZE, BLOCK_N)
             for i in range(n_tiles):
-                cur = tile + i
-                if i + SLOTS8 - 1 < n_tiles:  # into tile cur - 1's slot: converted, every thread passed the barrier
-                    ahead = (cur + SLOTS8 - 1) % SLOTS8
-                    _issue_kv(k_desc, v_desc, k8_smem.index(ahead), v8_smem.index(ahead), k8_ready.index(ahead),
-                              v8_ready.index(ahead), BlockTable, seq, stride_bt, lo + (i + SLOTS8 - 1) * BLOCK_N, 0,
-                              k_len, kv_head * HEAD_DIM, True, PAGE_SIZE, BLOCK_N, False)
-                slot = cur % STAGES
-                mbarrier.wait(kv_empty.index(slot), ((cur // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
-                slot8 = cur % SLOTS8
-                mbarrier.wait(k8_ready.index(slot8), (cur // SLOTS8) & 1)
-                _widen(k8_smem.index(slot8), k_smem.index(slot), BLOCK_N, HEAD_DIM)
-                fence_async_shared()  # the tensor cores read shared memory through the async proxy
-                gl.thread_barrier()
-                mbarrier.arrive(k_ready.index(slot), count=1)
-                mbarrier.wait(v8_ready.index(slot8), (cur // SLOTS8) & 1)
-                _widen(v8_smem.index(slot8), v_smem.index(slot), BLOCK_N, HEAD_DIM)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(v_ready.index(slot), count=1)
+                if i + SLOTS8 - 1 < n_tiles:  # into tile i - 1's slot: converted, every thread passed the barrier
+                    _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, tile + i + SLOTS8 - 1,
+                               BlockTable, seq, stride_bt, lo + (i + SLOTS8 - 1) * BLOCK_N, k_len, col, PAGE_SIZE,
+                               BLOCK_N)
+                _widen_into(k8_smem, k8_ready, tile + i, k_smem, k_ready, k_empty, BLOCK_N, HEAD_DIM)
+                _widen_into(v8_smem, v8_ready, tile + i, v_smem, v_ready, v_empty, BLOCK_N, HEAD_DIM)
             tile += n_tiles
 
 
 @gluon.jit
-def _produce(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
+def _produce(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
              CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-             WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr):
+             PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+             FP8: gl.constexpr, FP8_CACHE: gl.constexpr):
     """The producer partition: _load_fp8_kv over an FP8 cache, else _load_kv."""
     if FP8_CACHE:
-        _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                     CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
-                     GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGE_SIZE, CAUSAL, WINDOW)
+        _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
+                     v_empty, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
+                     stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGE_SIZE, CAUSAL, WINDOW)
     else:
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
                  BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP, HEAD_DIM, ROWS,
-                 BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8)
+                 BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8)
 
 
 @gluon.jit
@@ -323,14 +343,17 @@ def _v_operand(v_smem, slot, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, Scales, KScale,
-                 VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2, window_left,
-                 window_right, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
+def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, other_turn, Scales,
+                 KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2,
+                 window_left, window_right, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
                  WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
-    to Out through o_smem (q_smem itself, but for FP8's 8-bit Q). `tile` counts the ring's tiles before this item,
-    `rnd` the tensor-core turns."""
+    to Out through o_smem (q_smem itself, but for FP8's 8-bit Q). `tile` counts the rings' tiles before this item,
+    `rnd` the tensor-core turns. A K slot is released as soon as its scores are in, a V slot after its P V; over an
+    FP8 cache both after P V (its converting producer measured slower given K back early: docs/kernel-notes.md)."""
+    KS: gl.constexpr = k_smem.shape[0]
+    VS: gl.constexpr = v_smem.shape[0]
     # wgmma layouts: one 16-row slice per warp; S is [ROWS, BLOCK_N], O is [ROWS, HEAD_DIM], and P is S's
     # registers reused as O's left operand (4 e4m3 values in 32 bits, against 2 16-bit ones).
     K_STEP: gl.constexpr = 32 if FP8 else 16
@@ -361,37 +384,43 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
 
     # The first tile's scores and probabilities, before the pipelined loop.
-    mbarrier.wait(k_ready.index(tile % STAGES), (tile // STAGES) & 1)
+    mbarrier.wait(k_ready.index(tile % KS), (tile // KS) & 1)
     _wait_turn(turn, rnd, WG)
-    s = warpgroup_mma(q_smem, k_smem.index(tile % STAGES).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
+    s = warpgroup_mma(q_smem, k_smem.index(tile % KS).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
                       use_acc=False, is_async=True)
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     s = warpgroup_mma_wait(0, deps=(s, ))
+    if not FP8_CACHE:
+        mbarrier.arrive(k_empty.index(tile % KS), count=1)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, lo, q_pos, hi, lo + BLOCK_N > unmasked_hi,
                                        row_scale, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
     # Tile i: rescale what tiles before it summed, then send its P V and tile i + 1's scores to the tensor cores
     # together, and run tile i + 1's softmax while P V is still being multiplied.
     for i in range(0, n_tiles - 1):
-        slot = (tile + i) % STAGES
-        nslot = (tile + i + 1) % STAGES
+        vslot = (tile + i) % VS
+        kslot = (tile + i + 1) % KS
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(k_ready.index(nslot), ((tile + i + 1) // STAGES) & 1)
-        mbarrier.wait(v_ready.index(slot), ((tile + i) // STAGES) & 1)
+        mbarrier.wait(k_ready.index(kslot), ((tile + i + 1) // KS) & 1)
+        mbarrier.wait(v_ready.index(vslot), ((tile + i) // VS) & 1)
         _wait_turn(turn, rnd + i + 1, WG)
-        s = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
+        s = warpgroup_mma(q_smem, k_smem.index(kslot).permute((1, 0)), _zeros(ROWS, BLOCK_N, s_layout),
                           use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), acc, is_async=True)
+        acc = warpgroup_mma(p_op, _v_operand(v_smem, vslot, FP8), acc, is_async=True)
         mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
         s = warpgroup_mma_wait(1, deps=(s, ))
+        if not FP8_CACHE:
+            mbarrier.arrive(k_empty.index(kslot), count=1)  # this warpgroup is done with the K slot
         start = lo + (i + 1) * BLOCK_N
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, start, q_pos, hi, start + BLOCK_N > unmasked_hi,
                                            row_scale, window_left, window_right, CAUSAL, WINDOW, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(slot), count=1)  # this warpgroup is done with the slot
+        mbarrier.arrive(v_empty.index(vslot), count=1)  # and with the V slot
+        if FP8_CACHE:
+            mbarrier.arrive(k_empty.index((tile + i) % KS), count=1)
     last = tile + n_tiles - 1
-    slot = last % STAGES
-    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
+    slot = last % VS
+    mbarrier.wait(v_ready.index(slot), (last // VS) & 1)
     if PAGED:  # a cache's slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
         # (both consumers zero the same rows of the last tile, writing the same values)
         _zero_rows_from(v_smem.index(slot), k_len - (lo + (n_tiles - 1) * BLOCK_N), BLOCK_N, HEAD_DIM, 4)
@@ -401,7 +430,9 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
     acc = warpgroup_mma(p_op, _v_operand(v_smem, slot, FP8), acc, is_async=True)
     mbarrier.arrive(other_turn, count=1)  # the other warpgroup's turn
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(kv_empty.index(slot), count=1)  # for the program's next item
+    mbarrier.arrive(v_empty.index(slot), count=1)  # for the program's next item
+    if FP8_CACHE:
+        mbarrier.arrive(k_empty.index(last % KS), count=1)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     out = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
@@ -422,10 +453,10 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty
 
 
 @gluon.jit
-def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, other_turn, CuSeqlensQ,
-             CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
+def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, other_turn,
+             CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
+             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
              Q_BUFS: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items. Its Q
@@ -455,10 +486,10 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
                       GROUP, HEAD_DIM, ROWS, CAUSAL, WG)
         if has_rows:
             row0 = row0 + WG * ROWS
-            _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
-                         other_turn, Scales, KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles,
-                         tile, rnd, sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP, HEAD_DIM,
-                         ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, WG)
+            _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, k_empty,
+                         v_empty, turn, other_turn, Scales, KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo,
+                         hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP,
+                         HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, WG)
             tile += n_tiles
             rnd += n_tiles + 1
         j += 1
@@ -471,7 +502,8 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty,
 def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, KScale, VScale,
                     n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PAGED: gl.constexpr,
+                    PAGE_SIZE: gl.constexpr,
                     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
                     TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr, Q_BUFS: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -488,19 +520,22 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16))
     else:
         o_smem = q_smem
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
     if FP8:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, HEAD_DIM, BLOCK_N], v_desc.layout)
     else:
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_smem = gl.allocate_shared_memory(dtype, [V_STAGES, BLOCK_N, HEAD_DIM], TILE_LAYOUT)
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival from each consumer
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # one arrival from each consumer
+        mbarrier.init(v_empty.index(i), count=2)
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
 
@@ -519,37 +554,43 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
 
     # the consumers' arguments written out twice: constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
-        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(0),
+        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns.index(0),
                     turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 0)),
-        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turns.index(1),
+                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 0)),
+        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns.index(1),
                     turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 1)),
-        (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 1)),
+        (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
+                    v_empty,
                     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, STAGES, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8,
+                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8,
                     FP8_CACHE)),
     ], [4, producer_warps], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def default_tiles(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, consumer registers per thread, STAGES): two consumer warpgroups of 64 rows; the K/V
-    ring fills what shared memory the Q tiles leave."""
-    return (128, 128, 240, 3) if head_dim == 128 else (128, 128, 240, 4)
+def default_tiles(head_dim: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, consumer registers per thread, K slots, V slots): two consumer warpgroups of 64 rows;
+    the K and V rings fill what shared memory the Q tiles leave."""
+    return (128, 128, 240, 3, 3) if head_dim == 128 else (128, 128, 240, 4, 4)
 
 
-SHORT_ITEM_TILES = (128, 64, 240, 5)  # key tiles of 64 split the little work of short items finer
+def short_item_tiles(head_dim: int) -> tuple[int, int, int, int, int]:
+    """The tiles of persistent programs (`short_items`), whose two Q buffers per consumer leave less room for the
+    rings: at head dim 128, 128-key tiles in a K ring of 3 and a V ring of 2 (half the softmax and rescale steps of
+    64-key tiles, which measured 7% slower at 16 x 1k; docs/kernel-notes.md, "Separate K and V rings"); at 64,
+    64-key tiles in rings of 5."""
+    return (128, 128, 240, 3, 2) if head_dim == 128 else (128, 64, 240, 5, 5)
 
 
-def fp8_cache_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int]:
+def fp8_cache_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int, int]:
     """The tiles over an FP8 cache, whose 8-bit slots take shared memory from the ring. The producer's
     conversion limits these programs, not the copies: rings of 64-key tiles with up to 4 slots copied ahead
     measured slower (docs/kernel-notes.md, "An FP8 cache in the Hopper prefill")."""
     if short:
-        return (128, 64, 240, 3)
-    return (128, 128, 240, 2) if head_dim == 128 else (128, 128, 240, 3)
+        return (128, 64, 240, 3, 3)
+    return (128, 128, 240, 2, 2) if head_dim == 128 else (128, 128, 240, 3, 3)
 
 
 def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
@@ -618,8 +659,8 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     if fp8_cache:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too within its range
         q = torch.nan_to_num(q.to(torch.float16), float("nan"), 65504.0, -65504.0)  # beyond it: clamped, as in decode
     short = short_items(max_seqlen_q, max_seqlen_k, causal)
-    block_m, block_n, regs, stages = tiles or (fp8_cache_tiles(dim, short) if fp8_cache else
-                                               SHORT_ITEM_TILES if short else default_tiles(dim))
+    block_m, block_n, regs, k_stages, v_stages = tiles or (fp8_cache_tiles(dim, short) if fp8_cache else
+                                                           short_item_tiles(dim) if short else default_tiles(dim))
     # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of
     # `producer_regs` (a dequantizing producer needs a few more than one that only issues copies)
     producer_regs = 512 - 2 * regs if fp8_cache else 24
@@ -645,17 +686,18 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     q_bufs = 2 if programs < n_items else 1
     # an FP8 cache's copies run as far ahead as the shared memory the Q tiles and the ring leave allows, up to 4
     # tiles (a few hundred bytes stay for the barriers)
-    left = _SHARED_MEMORY - 2 * q_bufs * block_m // 2 * dim * 2 - 2 * stages * block_n * dim * 2 - 1024
+    left = _SHARED_MEMORY - 2 * q_bufs * block_m // 2 * dim * 2 - (k_stages + v_stages) * block_n * dim * 2 - 1024
     slots8 = min(4, left // (2 * block_n * dim)) if fp8_cache else 1
     if fp8_cache and slots8 < 2:
-        raise ValueError(f"tiles {(block_m, block_n, regs, stages)} leave no room for the FP8 cache's copies")
+        raise ValueError(f"tiles {(block_m, block_n, regs, k_stages, v_stages)} leave no room for the FP8 cache's "
+                         "copies")
     _prefill_kernel[(programs, )](
         q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
         unused if scales is None else scales, k_scale, v_scale, n_items, n_m, hkv, sm_scale_log2, window_size[0],
         window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
+        K_STAGES=k_stages, V_STAGES=v_stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
         FP8=scales is not None, FP8_CACHE=fp8_cache,
         TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, CONSUMER_REGS=regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
