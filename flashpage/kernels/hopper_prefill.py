@@ -8,9 +8,10 @@ takes one item, or, when the sequences are short, one program per SM walks many 
 
 - Warp specialisation: a producer warp only issues copies; two consumer warpgroups (BLOCK_M / 2 rows each) only
   compute, with the registers the producer gives up (setmaxnreg).
-- K and V tiles come through the tensor copy engine (TMA) into a ring of STAGES shared-memory slots with
-  ready / empty barriers, so the loads of later tiles fly while the tensor cores work. A paged cache's tile is one
-  copy per page (pages of 16 keys are smaller than a good key tile). The consumers gather Q with asynchronous
+- K and V tiles come through the tensor copy engine (TMA) into two rings of shared-memory slots (K's, V's) with
+  ready / empty barriers, so the loads of later tiles fly while the tensor cores work; K runs a tile ahead of V, as
+  the products need them. A paged cache's tile is one copy per page (pages of 16 keys are smaller than a good key
+  tile). The consumers gather Q with asynchronous
   copies (its rows interleave heads, which no copy-engine box describes for every group size); a persistent
   program's next item's Q arrives while it computes this one. The output goes out through shared memory, in
   16-byte row stores.
