@@ -50,11 +50,18 @@ from flashpage.kernels.quantize import quantize_heads
 
 
 @gluon.jit
+def _page_row(BlockTable, seq, stride_bt, pos, k_len, PAGE_SIZE: gl.constexpr):
+    """The cache row of a paged sequence's key pos. Past the sequence's last page, the last page again (the block
+    table has no entries there; the consumers mask those keys and zero those values)."""
+    page = gl.minimum(pos // PAGE_SIZE, (k_len - 1) // PAGE_SIZE)
+    return gl.load(BlockTable + seq * stride_bt + page) * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@gluon.jit
 def _issue_tile(desc, smem, bar, BlockTable, seq, stride_bt, start, k_start, k_len, kv_col, PAGED: gl.constexpr,
                 PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, TRANSPOSED: gl.constexpr):
-    """Start copying the K or V tile of keys [start, start + BLOCK_N) into smem, completing on bar. A paged tile's
-    pages past the sequence's last are its last again (the block table has no entries there; the consumers mask
-    those keys and zero those values). TRANSPOSED: FP8's Vᵀ, [Hkv * D, keys]: a [D, BLOCK_N] tile."""
+    """Start copying the K or V tile of keys [start, start + BLOCK_N) into smem, completing on bar; a paged tile
+    one copy per page. TRANSPOSED: FP8's Vᵀ, [Hkv * D, keys]: a [D, BLOCK_N] tile."""
     if TRANSPOSED:
         mbarrier.expect(bar, desc.block_type.nbytes)
         tma.async_copy_global_to_shared(desc, [kv_col, k_start + start], bar, smem)
@@ -62,9 +69,7 @@ def _issue_tile(desc, smem, bar, BlockTable, seq, stride_bt, start, k_start, k_l
         ROWS: gl.constexpr = desc.block_type.shape[0]  # a page, or BLOCK_N keys of a larger page
         mbarrier.expect(bar, desc.block_type.nbytes * (BLOCK_N // ROWS))
         for p in gl.static_range(BLOCK_N // ROWS):
-            pos = start + p * ROWS
-            page = gl.minimum(pos // PAGE_SIZE, (k_len - 1) // PAGE_SIZE)
-            row = gl.load(BlockTable + seq * stride_bt + page) * PAGE_SIZE + pos % PAGE_SIZE
+            row = _page_row(BlockTable, seq, stride_bt, start + p * ROWS, k_len, PAGE_SIZE)
             tma.async_copy_global_to_shared(desc, [row, kv_col], bar, smem.slice(p * ROWS, ROWS))
     else:
         mbarrier.expect(bar, desc.block_type.nbytes)
@@ -264,12 +269,18 @@ def _widen(src, dst, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
 @gluon.jit
 def _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, g, BlockTable, seq, stride_bt, start, k_len,
                kv_col, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Start copying the program's g-th K and V tiles of an FP8 cache into their 8-bit slot."""
+    """Start copying the program's g-th K and V tiles of an FP8 cache into their 8-bit slot, a page of each per
+    block-table read (this producer's issue time is taken from its conversions)."""
     slot8 = g % k8_smem.shape[0]
-    _issue_tile(k_desc, k8_smem.index(slot8), k8_ready.index(slot8), BlockTable, seq, stride_bt, start, 0, k_len,
-                kv_col, True, PAGE_SIZE, BLOCK_N, False)
-    _issue_tile(v_desc, v8_smem.index(slot8), v8_ready.index(slot8), BlockTable, seq, stride_bt, start, 0, k_len,
-                kv_col, True, PAGE_SIZE, BLOCK_N, False)
+    ROWS: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(k8_ready.index(slot8), k_desc.block_type.nbytes * (BLOCK_N // ROWS))
+    mbarrier.expect(v8_ready.index(slot8), v_desc.block_type.nbytes * (BLOCK_N // ROWS))
+    for p in gl.static_range(BLOCK_N // ROWS):
+        row = _page_row(BlockTable, seq, stride_bt, start + p * ROWS, k_len, PAGE_SIZE)
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k8_ready.index(slot8),
+                                        k8_smem.index(slot8).slice(p * ROWS, ROWS))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v8_ready.index(slot8),
+                                        v8_smem.index(slot8).slice(p * ROWS, ROWS))
 
 
 @gluon.jit
