@@ -59,6 +59,10 @@ def test_ranks_give_the_tokens_and_logits_of_one(checkpoints, name, size):
             results[tp] = tokens, outs, llm.engine.runner.last_logits.clone()
         finally:
             llm.shutdown()
+        workers = llm.engine.workers
+        # every rank left its loop and the group on its own (a terminated one exits with -SIGTERM)
+        assert [p.exitcode for p in workers.processes] == [0] * (size - 1) if workers else tp == 1, \
+            [p.exitcode for p in workers.processes]
     (tokens_1, outs_1, logits_1), (tokens_n, outs_n, logits_n) = results[1], results[size]
     assert [[t for t, _ in s] for s in tokens_n] == [[t for t, _ in s] for s in tokens_1]
     assert logits_n.shape == logits_1.shape and logits_1.shape[-1] == (387 if name == "tied-387" else 384)

@@ -13,6 +13,7 @@ import gc
 import itertools
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from flashpage.engine.config import EngineConfig
@@ -83,6 +84,8 @@ class LLMEngine:
         reserve = draft_bytes_per_block(draft, cfg.block_size) if draft else \
             eagle_bytes_per_block(self.spec.model, cfg.block_size) if method in ("eagle", "eagle3") else 0
         self.runner = ModelRunner(cfg, loaded, reserve, tp)
+        if self.workers:
+            self.workers.release_graphs = weakref.WeakMethod(self.runner.release_graphs)
         self.cfg = cfg = self.runner.cfg  # device, kernels and max_model_len resolved
         self.config, self.tokenizer = self.runner.config, self.runner.tokenizer
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)

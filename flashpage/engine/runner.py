@@ -177,6 +177,13 @@ class ModelRunner:
             verify_sizes = [b for b in sizes if b <= (spec.disable_by_batch_size or b)] if spec else []
             self._capture_graphs(sizes, verify_sizes, -(-self.cfg.max_model_len // self.block_size))
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs once no step will run. A tensor-parallel rank does this before it leaves the process
+        group: the graphs hold the group's collectives, and NCCL's teardown under them hung on an H100 pair."""
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,

@@ -52,6 +52,11 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def barrier(self) -> None:
+        """Wait until every rank is here (over the host group)."""
+        if self.size > 1:
+            dist.barrier(group=self.cpu_group)
+
     def min(self, n: int) -> int:
         """The smallest n over the ranks."""
         if self.size == 1:

@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,8 @@ class Workers:
     tp: TensorParallel
     processes: list
     stopped: bool = False
+    # rank 0's runner's release_graphs, held weakly (the exit hook holds these Workers, not the engine's memory)
+    release_graphs: weakref.WeakMethod | None = None
 
     def failure(self, error: BaseException) -> WorkerFailed:
         """The error to raise for a failed collective: which ranks died and how, or what failed."""
@@ -70,28 +73,36 @@ class Workers:
             message = f"tensor-parallel worker failed ({what}); the engine has stopped"
         else:
             message = f"tensor-parallel collective failed: {error}; the engine has stopped"
-        self.shutdown()
+        self.shutdown(healthy=False)
         return WorkerFailed(message)
 
-    def shutdown(self) -> None:
-        """Stop the other ranks, then release the process group. Ranks this process started are terminated (they
-        may be waiting in any collective, say after Ctrl-C mid-step); torchrun's are told to leave their loop."""
+    def shutdown(self, healthy: bool = True) -> None:
+        """Stop the other ranks and release the process group. In health every rank releases its CUDA graphs (this
+        one here, the others once told to leave their loop) and then its share of the group, all together: NCCL's
+        teardown waits for every rank, and on a rank whose graphs live on it hung (an H100 pair). After a failed
+        collective (`healthy` False) the ranks are not told. Ranks this process started that have not exited within
+        10 s of the teardown (say, stuck in a collective after Ctrl-C mid-step) are terminated."""
         if self.stopped:
             return
         self.stopped = True
-        if self.processes:
-            for p in self.processes:
+        if healthy:
+            if self.release_graphs is not None and (release := self.release_graphs()) is not None:
+                release()
+            try:
+                self.tp.broadcast_object(None)
+                self.tp.barrier()  # (no rank leaves the group while another still reads the None)
+                dist.destroy_process_group()
+            except RuntimeError:
+                healthy = False  # a rank is gone
+        for p in self.processes:
+            p.join(timeout=10 if healthy else 0)
+            if p.is_alive():
                 p.terminate()
-            for p in self.processes:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-        else:
-            try:
-                self.tp.broadcast_object(None)
-            except RuntimeError:
-                pass  # a rank is gone: the others fail on their own collective
-        dist.destroy_process_group()
+        if not healthy and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _exit_status(code: int | None) -> str:
@@ -193,6 +204,8 @@ def run_worker(cfg: EngineConfig, tp: TensorParallel) -> None:
     runner = ModelRunner(cfg, tp=tp)
     while (plan := tp.broadcast_object()) is not None:
         runner.forward(plan)
+    runner.release_graphs()
+    tp.barrier()
 
 
 def _worker_main(cfg: EngineConfig, rank: int, size: int, init_method: str, cuda: bool, started) -> None:
