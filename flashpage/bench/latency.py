@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         results["speculative_config"] = args.speculative_config
         results["spec"] = {k: v for k, v in llm.stats().items() if k.startswith("spec_")}
     if llm.engine.runner.graphs:
-        results["decode_step"] = decode_breakdown(llm.engine.runner, args.batch_size)
+        results["decode_step"] = decode_breakdown(llm.engine.runner, args.batch_size, args.input_len + args.output_len)
 
     cuda_prompts = prompts.cuda()
     if "gpt-fast" not in skip:
@@ -165,23 +165,37 @@ def matmuls_ms(model, batch: int) -> float:
 
 KERNEL_KINDS = [("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma")), ("linear (Triton)", ("_linear_kernel",)),
                 ("attention", ("_attention_kernel",)), ("split merge", ("_merge_splits",)), ("rms_norm", ("rms_norm",)),
-                ("rope+cache", ("rope",)), ("silu_and_mul", ("silu",))]
+                ("rope+cache", ("rope",)), ("silu_and_mul", ("silu",)), ("all-reduce / all-gather (NCCL)", ("nccl",))]
 
 
-def decode_breakdown(runner, batch: int) -> dict:
-    """Where one decode step's GPU time goes: the replay time of the step's CUDA graph (as the last decode left
-    its inputs) and, from the profiler, the durations of its kernels by kind and the time at least one kernel runs
-    (kernels overlap: the split merge is launched early and waits on the GPU for its attention kernel). The
-    replay time less that is the time the GPU spends between kernels."""
+def decode_breakdown(runner, batch: int, context: int) -> dict:
+    """Where one decode step's GPU time goes: the time of the step's CUDA graph and, from the profiler, the
+    durations of its kernels by kind and the time at least one kernel runs (kernels overlap: the split merge is
+    launched early and waits on the GPU for its attention kernel). The time less that is the time the GPU spends
+    between kernels. On one GPU the graph is replayed as the last decode left its inputs. Under tensor parallelism
+    every rank must replay its graph (their collectives meet), so whole steps run instead, `batch` sequences at
+    `context` tokens: the plan's broadcast and the sampling are in the time, and the kernels are rank 0's."""
     size = next(b for b, q in runner.graphs if q == 1 and b >= batch)
-    graph = runner.graphs[(size, 1)][0]
-    replay_ms = median_ms(graph.replay, graph=False)
+    if runner.tp.size == 1:
+        step = runner.graphs[(size, 1)][0].replay
+    else:
+        from flashpage.engine.step import SampleRow, SampleSpec, SeqStep, StepPlan
+        from flashpage.sampling_params import SamplingParams
+
+        plan, blocks = StepPlan(), list(range(-(-context // runner.block_size)))  # (the sequences share them)
+        for i in range(batch):
+            plan.add(SeqStep(i, [0], [context - 1], blocks, num_logits=1))
+        plan.samples = [SampleSpec(i, i, SampleRow(SamplingParams(temperature=0), (), 0, i)) for i in range(batch)]
+
+        def step():
+            runner.step(plan)
+    step_ms = median_ms(step, graph=False)
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            graph.replay()
+            step()
         torch.cuda.synchronize()
     kinds: dict[str, float] = {}
     count = 0
@@ -197,8 +211,8 @@ def decode_breakdown(runner, batch: int) -> dict:
         kind = next((k for k, keys in KERNEL_KINDS if any(key in e.key for key in keys)), "other: " + e.key[:40])
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
         count += e.count // 10
-    return {"graph_batch": size, "replay_ms": replay_ms, "kernels": count, "kernel_ms": kinds,
-            "busy_ms": busy_us / 10 / 1e3}
+    return {"graph_batch": size, "whole_steps": runner.tp.size > 1, "replay_ms": step_ms, "kernels": count,
+            "kernel_ms": kinds, "busy_ms": busy_us / 10 / 1e3}
 
 
 def greedy_check(llm, hf, vocab: int, gen: torch.Generator, lengths=(5, 37, 128, 511), n: int = 16) -> list[dict]:
@@ -254,7 +268,8 @@ def report(r: dict) -> None:
             print(f"{name:<28}{ms:>10.2f}{r['batch_size'] * 1e3 / ms:>10.1f}{floor / ms:>10.1%}{ms / ours:>13.2f}")
     if "decode_step" in r:
         d = r["decode_step"]
-        print(f"one decode step (graph of batch {d['graph_batch']}): {d['replay_ms']:.3f} ms replayed, {d['kernels']} kernels "
+        how = "a whole step on every rank (plan broadcast and sampling included)" if d.get("whole_steps") else "replayed"
+        print(f"one decode step (graph of batch {d['graph_batch']}): {d['replay_ms']:.3f} ms {how}, {d['kernels']} kernels "
               f"running {d['busy_ms']:.3f} ms, {d['replay_ms'] - d['busy_ms']:.3f} ms between kernels "
               f"(kernel durations sum to {sum(d['kernel_ms'].values()):.3f} ms: the split merge waits on the GPU "
               f"for its attention kernel)")
