@@ -2,9 +2,11 @@
 
 1. Greedy tokens at TP = N against TP = 1 (dummy weights, float32 by default, `--models`): identical, or the first
    divergence and TP = 1's top-2 log-probability margin there (a small margin: rounding chose, not a bug).
-2. The logits of one prefill (bf16) at TP = N against TP = 1: relative error ||a - b|| / ||b||.
-3. NCCL all-reduce of --sizes bytes over the N GPUs, in processes of their own: time and bus bandwidth
-   (2 (N - 1) / N x bytes / time, NCCL's own measure), the rate the decode step's all-reduces run at.
+2. The logits of one prefill (bf16) at TP = N against TP = 1: relative error ||a - b|| / ||b||, and each one's
+   error against TP = 1's float32 logits (bf16's own rounding, which TP = N's is to be read against).
+3. NCCL all-reduce of --sizes bytes over the N GPUs, in processes of their own, launched eagerly: time and bus
+   bandwidth (2 (N - 1) / N x bytes / time, NCCL's own measure). Small sizes measure the launch (45 us at 8 KB on
+   two H200s); inside the decode step's CUDA graph an all-reduce takes 7-11 us (below).
 The decode step's time in collectives comes from `flashpage bench latency --tensor-parallel-size N` (its kernel
 breakdown names NCCL's kernels). Prints a table; `--out` writes JSON.
 """
@@ -49,7 +51,9 @@ def greedy_tokens(model: str, tp: int, dtype: str, prompts: list[list[int]], max
     return tokens, logits
 
 
-def compare(model: str, tp: int, dtype: str, prompts, max_tokens: int) -> dict:
+def compare(model: str, tp: int, dtype: str, prompts, max_tokens: int, exact: torch.Tensor | None = None) -> dict:
+    """TP = tp against TP = 1 in `dtype`; with `exact` (float32 logits of TP = 1), each one's error against it too:
+    the rounding of `dtype` alone, which TP = tp's own error is to be read against."""
     one, logits_one = greedy_tokens(model, 1, dtype, prompts, max_tokens)
     many, logits_many = greedy_tokens(model, tp, dtype, prompts, max_tokens)
     first = None
@@ -59,9 +63,15 @@ def compare(model: str, tp: int, dtype: str, prompts, max_tokens: int) -> dict:
             top = sorted(a[step][1].values(), key=lambda lp: -lp.logprob)
             first = {"prompt": p, "step": step, "margin": top[0].logprob - top[1].logprob}
     same = sum(all(x[0] == y[0] for x, y in zip(a, b)) for a, b in zip(one, many))
-    rel = float((logits_many - logits_one).norm() / logits_one.norm())
-    return {"model": model, "dtype": dtype, "tp": tp, "prompts": len(prompts), "identical": same,
-            "first_divergence": first, "logits_rel_err": rel}
+    out = {"model": model, "dtype": dtype, "tp": tp, "prompts": len(prompts), "identical": same,
+           "first_divergence": first, "logits_rel_err": _rel_err(logits_many, logits_one), "logits": logits_one}
+    if exact is not None:
+        out.update(tp1_vs_float32=_rel_err(logits_one, exact), tpn_vs_float32=_rel_err(logits_many, exact))
+    return out
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
 
 
 def _allreduce_worker(rank: int, size: int, port: int, sizes: list[int], results) -> None:
@@ -121,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensor-parallel-size", type=int, default=2)
-    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b", help="presets, dummy weights")
+    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b", help="presets, dummy weights (empty: the all-reduces only)")
     p.add_argument("--dtype", default="float32", help="the greedy check's dtype (the logits check runs in bf16 too)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--sizes", default="8192,65536,1048576,16777216,268435456", help="all-reduce sizes in bytes")
@@ -132,18 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     out = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "gpus": torch.cuda.device_count(), "tensor_parallel_size": tp, "checks": [],
            "date": time.strftime("%Y-%m-%d")}
-    for model in args.models.split(","):
+    for model in filter(None, args.models.split(",")):
         from flashpage.loader.presets import preset_config
         vocab = preset_config(model).vocab_size
         prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in (5, 37, 128, 300)]
+        exact = None
         for dtype in dict.fromkeys([args.dtype, "bfloat16"]):
-            r = compare(model, tp, dtype, prompts, args.max_tokens)
+            r = compare(model, tp, dtype, prompts, args.max_tokens, exact)
+            logits = r.pop("logits")
+            exact = logits if dtype == "float32" else exact
             out["checks"].append(r)
             first = r["first_divergence"]
             print(f"{model} {dtype} TP={tp} vs TP=1: {r['identical']}/{r['prompts']} prompts token-identical over "
                   f"{args.max_tokens} greedy tokens" + (f"; first divergence prompt {first['prompt']} step "
                   f"{first['step']}, TP=1 top-2 margin {first['margin']:.3g}" if first else "") +
-                  f"; prefill logits rel. error {r['logits_rel_err']:.2e}", flush=True)
+                  f"; prefill logits rel. error {r['logits_rel_err']:.2e}" +
+                  (f" (against float32 TP=1: TP=1 {r['tp1_vs_float32']:.2e}, TP={tp} {r['tpn_vs_float32']:.2e})"
+                   if "tp1_vs_float32" in r else ""), flush=True)
     out["allreduce"] = allreduce(tp, [int(s) for s in args.sizes.split(",")])
     for r in out["allreduce"]:
         print(f"all-reduce {r['bytes']:>10d} B over {tp}: {r['us']:8.1f} us, bus {r['bus_GBps']:7.1f} GB/s", flush=True)
