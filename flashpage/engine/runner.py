@@ -177,11 +177,12 @@ class ModelRunner:
             verify_sizes = [b for b in sizes if b <= (spec.disable_by_batch_size or b)] if spec else []
             self._capture_graphs(sizes, verify_sizes, -(-self.cfg.max_model_len // self.block_size))
 
-    def release_graphs(self) -> None:
-        """Drop the CUDA graphs once no step will run. A tensor-parallel rank does this before it leaves the process
-        group: the graphs hold the group's collectives, and NCCL's teardown under them hung on an H100 pair."""
+    def release_graphs(self, wait: bool = True) -> None:
+        """Drop the CUDA graphs once no step will run (`wait`: after the device's work is done). A tensor-parallel
+        rank does this before it leaves the process group: the graphs hold the group's collectives, and NCCL's
+        teardown under them hung (a pair of H100s, and of H200s)."""
         self.graphs.clear()
-        if self.device.type == "cuda":
+        if wait and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:

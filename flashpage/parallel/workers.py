@@ -77,17 +77,18 @@ class Workers:
         return WorkerFailed(message)
 
     def shutdown(self, healthy: bool = True) -> None:
-        """Stop the other ranks and release the process group. In health every rank releases its CUDA graphs (this
-        one here, the others once told to leave their loop) and then its share of the group, all together: NCCL's
-        teardown waits for every rank, and on a rank whose graphs live on it hung (an H100 pair). After a failed
-        collective (`healthy` False) the ranks are not told. Ranks this process started that have not exited within
-        10 s of the teardown (say, stuck in a collective after Ctrl-C mid-step) are terminated."""
+        """Stop the other ranks and release the process group. Every rank releases its CUDA graphs first (this one
+        here, the others once told to leave their loop): NCCL's teardown on a rank whose graphs lived on hung after
+        its peers were killed (H100 and H200 pairs). In health the ranks then leave the group together (NCCL's teardown waits for
+        every rank); after a failed collective (`healthy` False) they are not told. Ranks this process started that
+        have not exited within 10 s of the teardown (say, stuck in a collective after Ctrl-C mid-step) are
+        terminated."""
         if self.stopped:
             return
         self.stopped = True
+        if self.release_graphs is not None and (release := self.release_graphs()) is not None:
+            release(wait=healthy)  # (after a failure a collective may never finish)
         if healthy:
-            if self.release_graphs is not None and (release := self.release_graphs()) is not None:
-                release()
             try:
                 self.tp.broadcast_object(None)
                 self.tp.barrier()  # (no rank leaves the group while another still reads the None)
