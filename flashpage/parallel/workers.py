@@ -79,10 +79,10 @@ class Workers:
     def shutdown(self, healthy: bool = True) -> None:
         """Stop the other ranks and release the process group. Every rank releases its CUDA graphs first (this one
         here, the others once told to leave their loop): NCCL's teardown on a rank whose graphs lived on hung after
-        its peers were killed (H100 and H200 pairs). In health the ranks then leave the group together (NCCL's teardown waits for
-        every rank); after a failed collective (`healthy` False) they are not told. Ranks this process started that
-        have not exited within 10 s of the teardown (say, stuck in a collective after Ctrl-C mid-step) are
-        terminated."""
+        its peers were killed (H100 and H200 pairs). In health the ranks then leave the group together (NCCL's
+        teardown waits for every rank); after a failed collective (`healthy` False) they are not told. Ranks this
+        process started that have not exited within 10 s of the teardown (say, stuck in a collective after Ctrl-C
+        mid-step) are terminated."""
         if self.stopped:
             return
         self.stopped = True
