@@ -268,9 +268,10 @@ def report(r: dict) -> None:
             print(f"{name:<28}{ms:>10.2f}{r['batch_size'] * 1e3 / ms:>10.1f}{floor / ms:>10.1%}{ms / ours:>13.2f}")
     if "decode_step" in r:
         d = r["decode_step"]
-        how = "a whole step on every rank (plan broadcast and sampling included)" if d.get("whole_steps") else "replayed"
-        print(f"one decode step (graph of batch {d['graph_batch']}): {d['replay_ms']:.3f} ms {how}, {d['kernels']} kernels "
-              f"running {d['busy_ms']:.3f} ms, {d['replay_ms'] - d['busy_ms']:.3f} ms between kernels "
+        how = "a whole step on every rank (plan broadcast and sampling included)" if d.get("whole_steps") else \
+            "replayed"
+        print(f"one decode step (graph of batch {d['graph_batch']}): {d['replay_ms']:.3f} ms {how}, {d['kernels']} "
+              f"kernels running {d['busy_ms']:.3f} ms, {d['replay_ms'] - d['busy_ms']:.3f} ms between kernels "
               f"(kernel durations sum to {sum(d['kernel_ms'].values()):.3f} ms: the split merge waits on the GPU "
               f"for its attention kernel)")
         for kind, ms in sorted(d["kernel_ms"].items(), key=lambda kv: -kv[1]):

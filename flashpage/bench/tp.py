@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensor-parallel-size", type=int, default=2)
-    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b", help="presets, dummy weights (empty: the all-reduces only)")
+    p.add_argument("--models", default="llama-3.2-1b,llama-3-8b",
+                   help="presets, dummy weights (empty: the all-reduces only)")
     p.add_argument("--dtype", default="float32", help="the greedy check's dtype (the logits check runs in bf16 too)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--sizes", default="8192,65536,1048576,16777216,268435456", help="all-reduce sizes in bytes")
