@@ -108,10 +108,11 @@ def main() -> None:
         tri.linear(x, fp8, rand(64, dtype=dtype), residual=rand(3, 64, dtype=dtype), weight_scale=scale)
         tri.linear(x, fp8, norm_weight=w, eps=1e-5, silu_mul=True, weight_scale=scale)
         for rows in (20, 100, 150, 240):  # over the decode rows: the FP8 x FP8 kernel's tile classes (bf16), and
-            # beyond them the quantizer alone (cuBLAS multiplies)
+            # beyond them the quantizer alone (cuBLAS multiplies), SiLU-and-mul's in it too
             xr = rand(rows, 256, dtype=dtype)
             tri.linear(xr, fp8, rand(64, dtype=dtype), residual=rand(rows, 64, dtype=dtype), weight_scale=scale)
             tri.linear(xr, fp8, norm_weight=w, eps=1e-5, silu_mul=True, weight_scale=scale)
+            tri.linear(xr, fp8, norm_weight=w, eps=1e-5, silu_mul=True, weight_scale=scale, quantized_output=True)
         # the batch-invariant set (deterministic mode): its linear, its attention tiles without the copy engine
         for ops_x in (x, rand(70, 256, dtype=dtype), rand(200, 256, dtype=dtype)):  # each tile class
             inv.linear(ops_x, weight, residual=rand(ops_x.shape[0], 64, dtype=dtype))

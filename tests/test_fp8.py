@@ -206,6 +206,48 @@ def test_activation_quantization_kernel(norm):
     assert interpreter_e4m3_agrees(a, b).all() and (a == b).float().mean() > 0.8
 
 
+def test_activation_quantization_kernel_with_silu_and_mul():
+    """The quantizer taking SiLU-and-mul's place in front of down_proj (interpreter on CPU): the rows it quantizes
+    are the SiLU-and-mul kernel's (the same roundings), so its scales equal that kernel's rows quantized."""
+    from flashpage.kernels.activation import silu_and_mul
+    from flashpage.kernels.quantize import quantize_rows as kernel
+
+    x = torch.randn(5, 2 * 700, dtype=torch.bfloat16) * torch.logspace(-2, 2, 5, dtype=torch.bfloat16)[:, None]
+    x[3] = 0
+    x = x.to(DEVICE)
+    q, scale = (t.cpu() for t in kernel(x, silu_mul=True))
+    q_ref, scale_ref = (t.cpu() for t in quantize_rows(silu_and_mul(x)))
+    assert q.shape == (5, 700) and torch.equal(scale, scale_ref)
+    a, b = q.float(), q_ref.float()
+    assert interpreter_e4m3_agrees(a, b).all() and (a == b).float().mean() > 0.8
+
+
+def test_fp8_mlp_hands_quantized_rows_to_down_proj():
+    """Past FP8_KERNEL_ROWS rows, gate/up with `quantized_output` returns its SiLU-and-mul already quantized per
+    row (QuantizedRows) and down_proj's `linear` takes it: the MLP's output equals the unfused path's (gate/up's
+    16-bit SiLU-and-mul, quantized by down_proj) to float32 rounding, and the float64 product of the same
+    quantized operands to bf16 rounding. (Interpreter on CPU, odd sizes.)"""
+    from flashpage.kernels import triton_ops
+    from flashpage.kernels.fp8 import QuantizedRows
+
+    m, inter, hidden = triton_ops.FP8_KERNEL_ROWS + 7, 72, 48
+    x = torch.randn(m, hidden, dtype=torch.bfloat16, device=DEVICE)
+    norm_weight = torch.rand(hidden, dtype=torch.bfloat16, device=DEVICE) + 0.5
+    gate_up, gate_up_scale = quantize_rows(torch.randn(2 * inter, hidden, device=DEVICE))
+    down, down_scale = quantize_rows(torch.randn(hidden, inter, device=DEVICE))
+    residual = torch.randn(m, hidden, dtype=torch.bfloat16, device=DEVICE)
+    kw = dict(norm_weight=norm_weight, eps=1e-5, silu_mul=True, weight_scale=gate_up_scale)
+    act = triton_ops.linear(x, gate_up, **kw, quantized_output=True)
+    assert isinstance(act, QuantizedRows) and act.shape == (m, inter) and act.dtype == torch.bfloat16
+    out = triton_ops.linear(act, down, residual=residual, weight_scale=down_scale)
+    unfused = triton_ops.linear(triton_ops.linear(x, gate_up, **kw), down, residual=residual, weight_scale=down_scale)
+    assert out.shape == (m, hidden) and out.dtype == torch.bfloat16
+    assert rel_err(out, unfused) < 1e-2  # (an activation's e4m3 value may differ by a step where rounding ties)
+    exact = (act.values.double() @ down.double().t()) * act.scales.double()[:, None] * down_scale.double() \
+        + residual.double()
+    assert rel_err(out, exact) < 1e-2
+
+
 def interpreter_e4m3_agrees(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Where the interpreter's e4m3 values `a` may stand for the reference's `b`: within one e4m3 step, or halved
     where the reference's rounding carried into the next power of two."""

@@ -8,15 +8,21 @@ import triton.language as tl
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of gate and up in `dtype` (as float32 values), rounded where the unfused model rounds:
+    silu(gate), then the product; float32 values of `dtype`."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     gate = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + n_cols + cols, mask=ok, other=0.0)
-    # silu(gate) is rounded to the model dtype before the product, as in the unfused model.
-    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (act * up.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, silu_mul(gate, up, Out.dtype.element_ty).to(Out.dtype.element_ty), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ SAMPLING_CHUNKS = 16  # pieces per logits row, whatever the batch
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None, out=None):
+           weight_scale=None, out=None, quantized_output=False):
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     return invariant_linear(x, weight, bias, silu_mul=silu_mul, residual=residual, out_dtype=out_dtype,

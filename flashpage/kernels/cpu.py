@@ -29,7 +29,7 @@ def rms_norm(x, weight, eps):
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None, out=None):
+           weight_scale=None, out=None, quantized_output=False):
     """The reference's composition with packed products. GGUF's 4-bit codes (a uint8 weight) multiply as stored
     below INT4_ROWS rows, where a product streams the weights; from there on the 4-bit kernel is compute-bound and
     slower than bfloat16, so the codes are dequantized once into a kept copy in the model's dtype (docs/cpu.md)."""

@@ -10,10 +10,26 @@ the FP8 weights in registers instead (`flashpage.kernels.linear`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+@dataclass
+class QuantizedRows:
+    """Activations already quantized per row, standing for values * scales[:, None] in `dtype`: what an FP8
+    projection turns its input into first, handed over in this form by the kernel that made them (SiLU-and-mul
+    before down_proj) so that they are never written out in 16 bits and read back."""
+    values: torch.Tensor  # e4m3 [R, C]
+    scales: torch.Tensor  # float32 [R]
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
 
 
 def check_fp8_support(device: torch.device, setting: str) -> None:
@@ -51,13 +67,17 @@ def dequantize_heads(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return (x.float() * scale[None, :, None]).to(dtype)
 
 
-def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def scaled_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                   quantize=quantize_rows) -> torch.Tensor:
-    """x [M, K] (16 or 32 bits) @ (e4m3 weight [N, K] * weight_scale [N]).T, x quantized per row by `quantize`
-    (this module's, or the Triton kernel's): [M, N] in x's dtype."""
-    xq, x_scale = quantize(x)
-    if x.is_cuda and x.dtype == torch.bfloat16:
+    """x [M, K] (16 or 32 bits, or QuantizedRows) @ (e4m3 weight [N, K] * weight_scale [N]).T, x quantized per row
+    by `quantize` (this module's, or the Triton kernel's): [M, N] in x's dtype.
+
+    On CUDA the tensor cores' FP8 sums are not promoted to float32 every few steps of K (`use_fast_accum`): as
+    Triton's FP8 products do by default on Hopper (the decode kernels here) and vLLM's FP8 matmuls do; what that
+    costs against the quantization itself is measured in docs/kernel-notes.md."""
+    xq, x_scale = (x.values, x.scales) if isinstance(x, QuantizedRows) else quantize(x)
+    if xq.is_cuda and x.dtype == torch.bfloat16:
         return torch._scaled_mm(xq, weight.t(), scale_a=x_scale[:, None], scale_b=weight_scale[None, :].float(),
-                                out_dtype=x.dtype)
+                                out_dtype=x.dtype, use_fast_accum=True)
     y = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :].float()
     return y.to(x.dtype)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.activation import silu_mul
 from flashpage.kernels.attention import exact_cast, tile_dot
 from flashpage.kernels.fp8 import FP8
 from flashpage.kernels.quantize import quantize_rows
@@ -83,9 +84,8 @@ def _linear_kernel(
         if SILU_MUL:
             acc_up += tl.load(Bias + N + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SILU_MUL:  # rounded like the unfused path: gate and up in the model dtype, then silu(gate), then the product
-        gate = acc.to(Out.dtype.element_ty).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
-        acc = act * acc_up.to(Out.dtype.element_ty).to(tl.float32)
+        acc = silu_mul(acc.to(Out.dtype.element_ty).to(tl.float32), acc_up.to(Out.dtype.element_ty).to(tl.float32),
+                       Out.dtype.element_ty)
     out_ok = row_ok[:, None] & col_ok[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(Residual + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=out_ok,

@@ -4,7 +4,8 @@ the products they feed (docs/kernel-notes.md).
 
 - Per row (token), for the scaled matmul of FP8 layers: one program holds a whole row in registers: one read, its
   largest magnitude, then scale, round and store. The RMSNorm in front of a projection can run in the same program
-  (`norm_weight`), so the normalised row is never written out in 16 bits and read back.
+  (`norm_weight`), and so can the SiLU-and-mul in front of down_proj (`silu_mul`), so the normalised or
+  activated row is never written out in 16 bits and read back.
 - Per head, for FP8 attention: one pass over the tokens, written wherever the attention kernel wants each token
   (`quantize_heads`' `out` and `rows`), transposed included."""
 
@@ -14,19 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.activation import silu_mul
 from flashpage.kernels.fp8 import FP8, FP8_MAX, head_scales
 from flashpage.kernels.norm import rms_normalize
 
 
 @triton.jit
 def _quantize_rows_kernel(X, NormWeight, Q, Scale, K, stride_x, stride_q, eps, FMAX: tl.constexpr,
-                          NORM: tl.constexpr, BLOCK: tl.constexpr):
+                          NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     ok = k < K
     x = tl.load(X + row * stride_x + k, mask=ok, other=0.0).to(tl.float32)
     if NORM:
         x = rms_normalize(x, NormWeight, k, ok, K, eps, X.dtype.element_ty).to(tl.float32)
+    if SILU_MUL:  # x is the gate; the up projection follows it in the row
+        x = silu_mul(x, tl.load(X + row * stride_x + K + k, mask=ok, other=0.0).to(tl.float32), X.dtype.element_ty)
     largest = tl.max(tl.abs(x), axis=0)
     scale = tl.where(largest > 0, largest / FMAX, 1.0)
     tl.store(Scale + row, scale)
@@ -34,19 +38,21 @@ def _quantize_rows_kernel(X, NormWeight, Q, Scale, K, stride_x, stride_q, eps, F
     tl.store(Q + row * stride_q + k, q.to(Q.dtype.element_ty), mask=ok)
 
 
-def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  silu_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (e4m3 [R, C], float32 scales [R]), x ≈ q * scale[:, None]; with `norm_weight`, of
-    rms_norm(x, norm_weight, eps) instead (`flashpage.kernels.norm`'s roundings)."""
+    rms_norm(x, norm_weight, eps) instead (`flashpage.kernels.norm`'s roundings); with `silu_mul`, x [R, 2C] is
+    [gate | up] and the rows quantized are silu_and_mul(x)'s (`flashpage.kernels.activation`'s roundings)."""
     if x.stride(-1) != 1:
         raise ValueError("quantize_rows needs rows with unit stride")
-    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    cols = x.shape[1] // 2 if silu_mul else x.shape[1]
+    q = torch.empty((x.shape[0], cols), dtype=FP8, device=x.device)
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        block = triton.next_power_of_2(x.shape[1])
-        _quantize_rows_kernel[(x.shape[0],)](x, x if norm_weight is None else norm_weight, q, scale, x.shape[1],
+        block = triton.next_power_of_2(cols)
+        _quantize_rows_kernel[(x.shape[0],)](x, x if norm_weight is None else norm_weight, q, scale, cols,
                                              x.stride(0), q.stride(0), eps, FMAX=FP8_MAX, NORM=norm_weight is not None,
-                                             BLOCK=block, num_warps=min(max(block // 1024, 4), 16))
+                                             SILU_MUL=silu_mul, BLOCK=block, num_warps=min(max(block // 1024, 4), 16))
     return q, scale
 
 

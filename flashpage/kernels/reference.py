@@ -114,11 +114,13 @@ def silu_and_mul(x):
 
 
 def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, residual=None, out_dtype=None,
-           weight_scale=None, out=None):
+           weight_scale=None, out=None, quantized_output=False):
     """A projection with its decoder-layer neighbours: [silu_and_mul](norm(x) @ weight.T + bias) + residual.
     With `weight_scale` [N] the weight is FP8 (e4m3), one scale per output feature (`flashpage.kernels.fp8`); with
     a uint8 weight, GGUF's 4-bit codes packed, and `weight_scale` its groups' (scale, zero) (`flashpage.kernels.int4`).
-    `out`: the tensor to write the result to (of out_dtype), else a new one."""
+    `out`: the tensor to write the result to (of out_dtype), else a new one. `quantized_output` (the next projection
+    is FP8) allows a kernel set to return the result quantized per row (`flashpage.kernels.fp8.QuantizedRows`),
+    which every `linear` takes as x; these references and the CPU and batch-invariant sets never do."""
     return composed_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, silu_mul, residual, out_dtype,
                            weight_scale, out=out)
 

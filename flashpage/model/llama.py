@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from flashpage.config import ModelConfig
 from flashpage.kernels import kernel_set
+from flashpage.kernels.fp8 import FP8
 from flashpage.kv import KVCache
 from flashpage.model.attention import AttentionMetadata, attention
 from flashpage.model.fp8 import UNUSED_TENSORS, load_scale, place
@@ -90,8 +91,9 @@ class RowParallelLinear(nn.Linear):
         else:
             _copy_checked(param.data, tensor, (param.shape[0], self.full_in), 1, self.start, self.weight_scale)
 
-    def residual_add(self, ops, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W.T + bias, whole on every rank (the module's own forward is nn.Linear's)."""
+    def residual_add(self, ops, x, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W.T + bias, whole on every rank (the module's own forward is nn.Linear's); x a tensor, or
+        QuantizedRows for an FP8 weight."""
         first = self.tp.rank == 0
         out = ops.linear(x, self.weight, self.bias if first else None, residual=residual if first else None,
                          weight_scale=self.weight_scale)
@@ -171,7 +173,8 @@ class MLP(nn.Module):
     def forward(self, ops, h, norm: RMSNorm):
         """h + down(silu(gate(norm(h))) * up(norm(h)))."""
         act = ops.linear(h, self.gate_up_proj.weight, self.gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
-                         silu_mul=True, weight_scale=self.gate_up_proj.weight_scale)
+                         silu_mul=True, weight_scale=self.gate_up_proj.weight_scale,
+                         quantized_output=self.down_proj.weight.dtype == FP8)
         return self.down_proj.residual_add(ops, act, residual=h)
 
 
