@@ -66,7 +66,7 @@ def test_linear(rows, n, k, fused, dtype):
     # into a given buffer (a CUDA graph's logits): rows of a wider poisoned one, both paths, every implementation
     for a, a_kw in ((x, kw), (tall, tall_kw)):
         for impl in (tri, ref):
-            buf = torch.full((a.shape[0] + 3, n), float("nan"), dtype=torch.float32)
+            buf = torch.full((a.shape[0] + 3, n), float("nan"), dtype=torch.float32, device=DEVICE)
             got = impl.linear(a, weight, **a_kw, out_dtype=torch.float32, out=buf[:a.shape[0]])
             assert got.data_ptr() == buf.data_ptr() and rel_err(buf[:a.shape[0]], linear_float64(a, weight, **a_kw)) < tol
             assert buf[a.shape[0]:].isnan().all()
