@@ -9,8 +9,8 @@ import triton.language as tl
 
 @triton.jit
 def silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up of gate and up in `dtype` (as float32 values), rounded where the unfused model rounds:
-    silu(gate), then the product; float32 values of `dtype`."""
+    """silu(gate) * up, from float32 tensors holding values of `dtype`, rounded to `dtype` where the unfused model
+    rounds (silu(gate), then the product); returned as float32."""
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (act * up).to(dtype).to(tl.float32)
 
