@@ -7,9 +7,10 @@ bf16 by default). The peer is transformers' `generate` (eager, SDPA, greedy) on 
 run's matrix-product FLOPs (every token through every projection, the LM head for each sampled token; attention
 left out, so the floor is low) over the bf16 matmul rate measured in the same run (times N GPUs with
 `--tensor-parallel-size N`, where transformers, which holds the whole model on one GPU, is left out). Prints a
-table; `--out` writes JSON. The workload is timed `--repeat` times after a warm-up on its first requests, and the
+table; `--out` writes JSON. The workload is timed `--repeat` times after a warm-up of the same shape, and the
 median run is the one reported (single runs varied by up to 20% before the engine's host work was cut,
-docs/kernel-notes.md).
+docs/kernel-notes.md). Every run draws its own prompts, so none finds another's in the prefix cache (the
+prefix-cache hits of the timed runs are reported, and are 0).
 """
 
 from __future__ import annotations
@@ -55,18 +56,22 @@ def main(argv: list[str] | None = None) -> int:
               tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(llm.config.vocab_size, (args.num_prompts, args.input_len), generator=gen)
+    # One set of prompts per run: a run given another's prompts would find them in the prefix cache and skip their
+    # prefill (random tokens from a large vocabulary share no first block by chance).
+    prompt_sets = torch.randint(llm.config.vocab_size, (max(args.repeat, 1) + 1, args.num_prompts, args.input_len),
+                                generator=gen)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    # Warm-up on the same workload: a fresh engine's first run of it is slower than later ones (3 s of a 5 s run of
-    # 256 requests after a warm-up of 8; not Triton's compiler, docs/cpu.md).
+    # Warm-up on a workload of the same shape: a fresh engine's first run of it is slower than later ones (3 s of a
+    # 5 s run of 256 requests after a warm-up of 8; not Triton's compiler, docs/cpu.md).
     warm = min(args.num_prompts, 2 * args.max_num_seqs)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": r} for r in prompts[:warm].tolist()], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": r} for r in prompt_sets[0, :warm].tolist()], params, use_tqdm=False)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - start
+    hits_before = llm.stats()["prefix_cache_hits"]
     runs = []
-    for _ in range(max(args.repeat, 1)):
+    for prompts in prompt_sets[1:]:
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": r} for r in prompts.tolist()], params)
         runs.append(time.perf_counter() - start)
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
          "flashpage_total_tok_s": (generated + prompts.numel()) / elapsed, "stats": llm.stats(), "transformers": {},
          "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
          "kv_cache_dtype": args.kv_cache_dtype,
-         "warmup_prompts": warm, "warmup_s": warmup_s}
+         "warmup_prompts": warm, "warmup_s": warmup_s,
+         "prefix_cache_hits_timed": llm.stats()["prefix_cache_hits"] - hits_before}
     r["matmul_tflops"] = matmul_tflops()
     r["compute_floor_s"] = matmul_flops(llm.config, prompts.numel() + generated, generated) / (
         args.tensor_parallel_size * r["matmul_tflops"] * 1e12)
@@ -125,7 +131,9 @@ def report(r: dict) -> None:
           f"{r['output_len']} out)")
     ours = r["flashpage_output_tok_s"]
     if "warmup_s" in r:
-        print(f"warm-up (the first {r['warmup_prompts']} requests, first-use costs included): {r['warmup_s']:.1f} s")
+        print(f"warm-up ({r['warmup_prompts']} other requests, first-use costs included): {r['warmup_s']:.1f} s")
+    if "prefix_cache_hits_timed" in r:
+        print(f"prefix-cache hits in the timed runs: {r['prefix_cache_hits_timed']} blocks")
     runs = r.get("flashpage_runs_s", [r["flashpage_s"]])
     spread = f" (median of {len(runs)} runs: {', '.join(f'{t:.1f}' for t in runs)} s)" if len(runs) > 1 else ""
     print(f"flashpage: {r['flashpage_s']:.1f} s, {ours:,.0f} output tok/s, {r['flashpage_total_tok_s']:,.0f} total "
