@@ -166,6 +166,7 @@ def main() -> None:
     tri.apply_penalties(logits, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([5, 9]),
                         torch.tensor([1, 0], dtype=torch.int32), *(full(1.1, torch.float32) for _ in range(3)))
     tri.apply_token_bitmask(logits, torch.full((3, 32), -1, dtype=torch.int32))
+    tri.greedy(logits)
     inv.greedy(logits)
     inv.sample(logits, *args)
     print("all kernels compiled for sm_90")

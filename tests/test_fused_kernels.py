@@ -172,6 +172,22 @@ def test_sample_greedy_and_top_k_1_take_the_first_maximum():
     assert tri.sample(logits[:0], *sampling_args(0, vocab=300))[0].shape == (0,)
 
 
+@pytest.mark.parametrize("vocab,chunks", [(300, None), (2500, None), (2500, 4)])
+def test_greedy_takes_the_first_maximum_and_its_log_probability(vocab, chunks):
+    """The greedy kernel (the sampling kernel's chunk statistics and finish alone): ties go to the first maximum,
+    also across chunks (2500 logits: two or four chunks), and log-probabilities are those of a float64 softmax."""
+    logits = rand(4, vocab) * 3
+    logits[1, 10] = logits[1, vocab - 7] = logits[1].max() + 1  # a tie across chunks
+    logits[2, vocab - 1] = logits[2].max() + 1  # the last logit (the last chunk's tail)
+    want = logits.double().argmax(-1)
+    want_lp = torch.log_softmax(logits.double(), -1).gather(-1, want[:, None])[:, 0]
+    for got in (tri.greedy(logits, chunks=chunks), ref.greedy(logits)):
+        assert torch.equal(got[0], want) and rel_err(got[1], want_lp) < 1e-6
+    assert want[1] == 10
+    empty = tri.greedy(logits[:0])
+    assert empty[0].shape == empty[1].shape == (0,)
+
+
 def test_sample_seeds_decide_rows_independently():
     logits = rand(1, 97).expand(6, 97).contiguous()
     args = sampling_args(6, vocab=97)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from flashpage.kernels import attention as _attention
 from flashpage.kernels import sampling as _sampling
 from flashpage.kernels.activation import silu_and_mul
@@ -61,9 +59,4 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 sample = functools.partial(_sampling.sample, chunks=SAMPLING_CHUNKS)
 
 
-def greedy(logits):
-    """The sampling kernel at temperature 0 (its first maximum, as torch.argmax), with its fixed chunks."""
-    batch, vocab = logits.shape
-    zeros = logits.new_zeros(batch)
-    return sample(logits, zeros, torch.full_like(zeros, vocab, dtype=torch.int32), zeros + 1, zeros,
-                  torch.zeros_like(zeros, dtype=torch.int64), filtered=False)
+greedy = functools.partial(_sampling.greedy, chunks=SAMPLING_CHUNKS)

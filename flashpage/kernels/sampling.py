@@ -44,12 +44,15 @@ def _row_summary(Stats, row, S: tl.constexpr, inv_t):
 
 
 @triton.jit
-def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.constexpr, BLOCK: tl.constexpr,
+                 GREEDY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     base = Logits + row * stride_l
-    t = tl.load(Temperature + row)
-    inv_t = 1.0 / tl.where(t == 0.0, 1.0, t)
+    inv_t = 1.0
+    if not GREEDY:  # (every row at temperature 0: no Temperature, and the sum at T is the one at 1)
+        t = tl.load(Temperature + row)
+        inv_t = 1.0 / tl.where(t == 0.0, 1.0, t)
     start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
     offs = tl.arange(0, BLOCK)
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -67,12 +70,13 @@ def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.const
     for i in range(start, end, BLOCK):
         x = tl.load(base + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
         raw += tl.exp(x - m)
-        scaled += tl.exp((x - m) * inv_t)
+        if not GREEDY:
+            scaled += tl.exp((x - m) * inv_t)
     out = Stats + (row * S + c) * 4
     tl.store(out, tl.where(first == 2**31 - 1, float("-inf"), m))
     tl.store(out + 1, first.to(tl.float32))  # exact: token ids < 2 ** 24
     tl.store(out + 2, tl.sum(raw, 0))
-    tl.store(out + 3, tl.sum(scaled, 0))
+    tl.store(out + 3, tl.sum(raw if GREEDY else scaled, 0))
 
 
 @triton.jit
@@ -221,11 +225,10 @@ def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Ma
 @triton.jit
 def _finish(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Mass, Winners, DraftTokens, DraftProbs,
             Kept, Out, OutLogprob, stride_l, stride_q, vocab, SEARCHED: tl.constexpr, DRAFT: tl.constexpr,
-            S: tl.constexpr):
+            S: tl.constexpr, GREEDY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    t = tl.load(Temperature + row)
     best, token, raw_total, _ = _row_summary(Stats, row, S, 1.0)
-    if t != 0.0:
+    if not GREEDY and tl.load(Temperature + row) != 0.0:
         c = tl.arange(0, S)
         score = tl.load(Winners + (row * S + c) * 2)
         win = tl.max(score, 0)
@@ -294,7 +297,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
     stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
     winners = torch.empty((batch, chunks, 2), dtype=torch.float32, device=dev)
     grid = (batch, chunks)
-    _chunk_stats[grid](logits, temperature, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block)
+    _chunk_stats[grid](logits, temperature, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block, GREEDY=False)
     bounds = counts = mass = stats  # unread without a search
     if filtered:
         bounds = torch.empty((2, batch, 4), dtype=torch.int32, device=dev)
@@ -315,7 +318,30 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
                 DRAFT=draft, S=chunks, BLOCK=block)
     _finish[(batch,)](logits, temperature, top_k, top_p, min_p, seeds, stats, bounds, counts, mass, winners,
                       draft_tokens, draft_probs, kept, out, logprobs, logits.stride(0), draft_probs.stride(0), vocab,
-                      SEARCHED=filtered, DRAFT=draft, S=chunks)
+                      SEARCHED=filtered, DRAFT=draft, S=chunks, GREEDY=False)
+    return out, logprobs
+
+
+def greedy(logits, *, chunks: int | None = None):
+    """logits [B, V] -> (each row's first maximum [B] int64, as torch.argmax, and its log-probability under
+    softmax(logits) [B] float32): `sample`'s first and last launches alone. One pass over the logits in chunks, so
+    a batch of one spreads over the GPU (torch's argmax and logsumexp gave a 128k-logit row to one block each:
+    about 90 us of a batch-1 decode step on an H200, docs/kernel-notes.md)."""
+    batch, vocab = logits.shape
+    dev = logits.device
+    out = torch.empty(batch, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    if batch == 0:
+        return out, logprobs
+    block = _block(vocab)
+    chunks = num_chunks(batch, vocab, dev, chunks)
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
+    _chunk_stats[(batch, chunks)](logits, stats, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block,
+                                  GREEDY=True)
+    # (Stats is the seventh pointer; stats also stands in for the twelve that a greedy finish does not read)
+    _finish[(batch,)](logits, *[stats] * 13, out, logprobs, logits.stride(0), 0, vocab, SEARCHED=False, DRAFT=False,
+                      S=chunks, GREEDY=True)
     return out, logprobs
 
 

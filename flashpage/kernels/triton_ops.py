@@ -13,9 +13,9 @@ from flashpage.kernels.fp8 import FP8, QuantizedRows
 from flashpage.kernels.linear import MAX_ROWS, fp8_linear, skinny_linear
 from flashpage.kernels.norm import rms_norm
 from flashpage.kernels.quantize import quantize_rows
-from flashpage.kernels.reference import composed_linear, greedy
+from flashpage.kernels.reference import composed_linear
 from flashpage.kernels.rotary import rope_and_cache
-from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, sample
+from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, greedy, sample
 from flashpage.kernels.sparq import sparq_attention, write_sparq_copies
 
 __all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
