@@ -15,6 +15,7 @@ still spreads over the GPU. Launches, all without a host sync:
 4. `_finish`: per row, the winning chunk (ties: lowest token id; temperature 0: the first maximum, as
    torch.argmax) and the chosen token's log-probability under softmax(logits); a draft token kept with
    probability min(1, p / q) replaces the winner.
+A batch of greedy rows alone (`greedy`) takes launches 1 and 4 only.
 """
 
 from __future__ import annotations
