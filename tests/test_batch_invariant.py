@@ -76,7 +76,7 @@ def test_engine_request_alone_equals_it_in_a_chunked_batch(tiny_checkpoints):
     from flashpage import LLM
 
     path, _ = tiny_checkpoints["llama3-rope-scaling"]
-    llm = LLM(str(path), device="cpu", dtype="float32", deterministic=True, enforce_eager=True)
+    llm = LLM(str(path), device=DEVICE, dtype="float32", deterministic=True, enforce_eager=True)
     assert llm.engine.runner.cfg.kernels == "batch_invariant"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 384, (n,), generator=g).tolist() for n in (37, 5, 60, 21, 9)]
@@ -93,9 +93,10 @@ def test_engine_request_alone_equals_it_in_a_chunked_batch(tiny_checkpoints):
                                      for c in o.outputs]
         return out
 
-    alone = [run(engine_from(llm, deterministic=True, enforce_eager=True), [(prompts[0], sp)])["0"] for sp in params]
+    alone = [run(engine_from(llm, device=DEVICE, deterministic=True, enforce_eager=True), [(prompts[0], sp)])["0"]
+             for sp in params]
     batch = [(prompts[0], params[0]), (prompts[0], params[1])] + [(p, params[i % 2]) for i, p in enumerate(prompts[1:])]
-    mixed = run(engine_from(llm, deterministic=True, enforce_eager=True, max_num_batched_tokens=24,
+    mixed = run(engine_from(llm, device=DEVICE, deterministic=True, enforce_eager=True, max_num_batched_tokens=24,
                             enable_prefix_caching=False), batch)
     assert mixed["0"] == alone[0] and mixed["1"] == alone[1]
 
