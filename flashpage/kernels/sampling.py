@@ -276,6 +276,22 @@ def chunk_classes(vocab: int, device: torch.device, max_rows: int) -> list[int]:
     return sorted(first.values())
 
 
+def _outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's token id [B] int64 and its log-probability [B] float32, to be written."""
+    batch = logits.shape[0]
+    return (torch.empty(batch, dtype=torch.int64, device=logits.device),
+            torch.empty(batch, dtype=torch.float32, device=logits.device))
+
+
+def _chunking(logits: torch.Tensor, chunks: int | None) -> tuple[int, int, int, torch.Tensor]:
+    """How a non-empty batch's rows are cut: (BLOCK, chunk count, chunk width, the chunks' stats to be written)."""
+    batch, vocab = logits.shape
+    block = _block(vocab)
+    chunks = num_chunks(batch, vocab, logits.device, chunks)
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    return block, chunks, chunk, torch.empty((batch, chunks, 4), dtype=torch.float32, device=logits.device)
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = True, draft_tokens=None,
            draft_probs=None, chunks: int | None = None):
     """logits [B, V] -> (token ids [B] int64, their log-probabilities under softmax(logits) [B] float32). Per row:
@@ -288,14 +304,10 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
     temperature and filters, else the token is drawn from max(p - q, 0) renormalised (Leviathan et al.)."""
     batch, vocab = logits.shape
     dev = logits.device
-    out = torch.empty(batch, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    out, logprobs = _outputs(logits)
     if batch == 0:
         return out, logprobs
-    block = _block(vocab)
-    chunks = num_chunks(batch, vocab, dev, chunks)
-    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
-    stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
+    block, chunks, chunk, stats = _chunking(logits, chunks)
     winners = torch.empty((batch, chunks, 2), dtype=torch.float32, device=dev)
     grid = (batch, chunks)
     _chunk_stats[grid](logits, temperature, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block, GREEDY=False)
@@ -329,15 +341,10 @@ def greedy(logits, *, chunks: int | None = None):
     a batch of one spreads over the GPU (torch's argmax and logsumexp gave a 128k-logit row to one block each:
     about 90 us of a batch-1 decode step on an H200, docs/kernel-notes.md)."""
     batch, vocab = logits.shape
-    dev = logits.device
-    out = torch.empty(batch, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    out, logprobs = _outputs(logits)
     if batch == 0:
         return out, logprobs
-    block = _block(vocab)
-    chunks = num_chunks(batch, vocab, dev, chunks)
-    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
-    stats = torch.empty((batch, chunks, 4), dtype=torch.float32, device=dev)
+    block, chunks, chunk, stats = _chunking(logits, chunks)
     _chunk_stats[(batch, chunks)](logits, stats, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block,
                                   GREEDY=True)
     # (Stats is the seventh pointer; stats also stands in for the twelve that a greedy finish does not read)
