@@ -277,7 +277,7 @@ def chunk_classes(vocab: int, device: torch.device, max_rows: int) -> list[int]:
 
 
 def _outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A row's token id [B] int64 and its log-probability [B] float32, to be written."""
+    """Each row's token id [B] int64 and its log-probability [B] float32, to be written."""
     batch = logits.shape[0]
     return (torch.empty(batch, dtype=torch.int64, device=logits.device),
             torch.empty(batch, dtype=torch.float32, device=logits.device))
