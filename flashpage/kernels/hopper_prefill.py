@@ -217,6 +217,15 @@ def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: 
 
 
 @gluon.jit
+def _q_to_fp16(q_in, q16, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Over an FP8 cache the products run in fp16: a Q tile gathered in the queries' own 16-bit type (q_in),
+    rewritten in place as fp16 (q16, the same bytes), clamped to its range as the decode does (NaN stays NaN).
+    Each thread rewrites the elements it read, so no barrier is needed between the load and the store."""
+    x = q_in.load(_row_layout(ROWS, HEAD_DIM, 4)).to(gl.float32)
+    q16.store(gl.where(x != x, x, gl.minimum(gl.maximum(x, -65504.0), 65504.0)).to(gl.float16))
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
              BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
@@ -478,8 +487,12 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, 
     rnd = 0  # turns at the tensor cores so far (an item takes n_tiles + 1)
     j = 0  # the program's items so far
     step = gl.num_programs(0)
+    if FP8_CACHE:  # q_smem is fp16; Q arrives in its own 16-bit type and is converted in place (_q_to_fp16)
+        q_in = q_smem._reinterpret(Q.dtype.element_ty, q_smem.shape, q_smem.layout)
+    else:
+        q_in = q_smem
     if Q_BUFS == 2:
-        _gather_q(q_smem.index(WG * 2), Q, gl.program_id(0), n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP,
+        _gather_q(q_in.index(WG * 2), Q, gl.program_id(0), n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP,
                   HEAD_DIM, ROWS, CAUSAL, WG)
     for t in range(gl.program_id(0), n_items, step):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
@@ -488,13 +501,15 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, 
         buf = WG * Q_BUFS + j % Q_BUFS
         if Q_BUFS == 1:
             gl.thread_barrier()  # the previous item's output, staged in this buffer, has been read
-            _gather_q(q_smem.index(buf), Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
+            _gather_q(q_in.index(buf), Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
                       CAUSAL, WG)
         async_copy.wait_group(0)
+        if FP8_CACHE:
+            _q_to_fp16(q_in.index(buf), q_smem.index(buf), ROWS, HEAD_DIM)
         gl.thread_barrier()
         fence_async_shared()  # the tensor cores read shared memory through the async proxy
         if Q_BUFS == 2 and t + step < n_items:  # (the other buffer's last item is done: output read, products too)
-            _gather_q(q_smem.index(WG * 2 + (j + 1) % 2), Q, t + step, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh,
+            _gather_q(q_in.index(WG * 2 + (j + 1) % 2), Q, t + step, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh,
                       GROUP, HEAD_DIM, ROWS, CAUSAL, WG)
         if has_rows:
             row0 = row0 + WG * ROWS
@@ -525,7 +540,8 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     double-buffered), else 1. TILE_LAYOUT: the shared layout of the Q, K and V tiles the tensor cores read;
     SLOTS8: the 8-bit tiles the copy engine fills ahead of the conversion."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    dtype: gl.constexpr = Q.dtype.element_ty
+    # the tensor cores' 16-bit type: the queries', or fp16 over an FP8 cache (e4m3 widens to it exactly)
+    dtype: gl.constexpr = gl.float16 if FP8_CACHE else Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, ROWS, HEAD_DIM], TILE_LAYOUT)
     if FP8:  # the output is 16-bit
         o_smem = gl.allocate_shared_memory(Out.dtype.element_ty, [2 * Q_BUFS, ROWS, HEAD_DIM],
@@ -668,8 +684,6 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         return out
     if paged:
         max_seqlen_k = block_table.shape[1] * k.shape[1]
-    if fp8_cache:  # the products run in fp16: e4m3 values convert to it exactly, 16-bit queries too within its range
-        q = torch.nan_to_num(q.to(torch.float16), float("nan"), 65504.0, -65504.0)  # beyond it: clamped, as in decode
     short = short_items(max_seqlen_q, max_seqlen_k, causal)
     block_m, block_n, regs, k_stages, v_stages = tiles or (fp8_cache_tiles(dim, short) if fp8_cache else
                                                            short_item_tiles(dim) if short else default_tiles(dim))
