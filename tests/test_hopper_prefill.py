@@ -122,8 +122,11 @@ def test_varlen_and_paged_prefill(dim, hq, hkv):
 
 def test_short_and_long_items_take_their_own_schedules():
     """The checks above cover both schedules only if the rule splits them as they assume."""
-    assert hopper_prefill.short_items(1000, 1000, True) and hopper_prefill.short_items(300, 320, True)
-    assert not hopper_prefill.short_items(1000, 3008, True) and not hopper_prefill.short_items(800, 800, False)
+    assert hopper_prefill.short_items(1000, 1000, True, 1) and hopper_prefill.short_items(300, 320, True, 1)
+    assert not hopper_prefill.short_items(1000, 3008, True, 1) and not hopper_prefill.short_items(800, 800, False, 1)
+    # up to 1,536 keys with 16 items per SM or more
+    assert hopper_prefill.short_items(2048, 2048, True, 16) and not hopper_prefill.short_items(2048, 2048, True, 4)
+    assert not hopper_prefill.short_items(1024, 3072, True, 64)
 
 
 @pytest.mark.parametrize("dim", [64, 128])

@@ -621,14 +621,16 @@ def fp8_cache_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int, int
     return (128, 128, 240, 2, 2) if head_dim == 128 else (128, 128, 240, 3, 3)
 
 
-def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> bool:
-    """Whether a row tile sees about 768 keys or fewer on average. Then a program's fixed costs (the Q gather,
-    the first tile's copies, the output's store) are a large share of its work, and persistent programs (one
-    per SM, each walking many work items, its producer copying the next item's first tiles while the consumers
-    finish one, and their Q copied in ahead) hide them; with longer items the static assignment's imbalance costs
-    more than that saves (docs/kernel-notes.md, "Persistent programs for short sequences")."""
+def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool, items_per_sm: float) -> bool:
+    """Whether a row tile sees about 768 keys or fewer on average, or up to 1,536 when there are 16 work items or
+    more per SM. Then a program's fixed costs (the Q gather, the first tile's copies, the output's store) are a
+    large share of its work, and persistent programs (one per SM, each walking many work items, its producer
+    copying the next item's first tiles while the consumers finish one, and their Q copied in ahead) hide them;
+    with longer items, or fewer of them, the static assignment's imbalance costs more than that saves
+    (docs/kernel-notes.md, "Persistent programs for short sequences" and "Persistent programs up to 1,536
+    keys")."""
     keys = max_seqlen_k - max_seqlen_q / 2 if causal else max_seqlen_k
-    return keys <= 768
+    return keys <= 768 or (keys <= 1536 and items_per_sm >= 16)
 
 
 @functools.lru_cache
@@ -684,7 +686,12 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         return out
     if paged:
         max_seqlen_k = block_table.shape[1] * k.shape[1]
-    short = short_items(max_seqlen_q, max_seqlen_k, causal)
+    # work items of 128 rows (every tile set's BLOCK_M) per SM (CPU tensors: the compile-only check)
+    sms = sm_count(q.device.index or 0) if q.is_cuda else 132
+    items_per_sm = triton.cdiv(max_seqlen_q * (hq // hkv), 128) * hkv * batch / sms
+    # (over an FP8 cache, whose persistent tiles are of 64 keys, the rule's first part only: its programs measured
+    # 6-12% slower persistent at 1,024-1,536 keys)
+    short = short_items(max_seqlen_q, max_seqlen_k, causal, 0 if fp8_cache else items_per_sm)
     block_m, block_n, regs, k_stages, v_stages = tiles or (fp8_cache_tiles(dim, short) if fp8_cache else
                                                            short_item_tiles(dim) if short else default_tiles(dim))
     # 12 warps share the register file: 2 consumer warpgroups of `regs` each and the producer's warpgroup of
@@ -708,7 +715,7 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     k_scale, v_scale = cache_scales if fp8_cache else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
     n_items = n_m * hkv * batch
-    programs = min(n_items, programs or (sm_count(q.device.index or 0) if short else n_items))
+    programs = min(n_items, programs or (sms if short else n_items))
     q_bufs = 2 if programs < n_items else 1
     # an FP8 cache's copies run as far ahead as the shared memory the Q tiles and the ring leave allows, up to 4
     # tiles (a few hundred bytes stay for the barriers)
