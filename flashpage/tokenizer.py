@@ -89,17 +89,41 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+        """The conversation as the model's chat template renders it. `continue_final_message` (vLLM's, and
+        transformers'): the text ends inside the final message, without what closes it, so the model continues
+        that message (a prefilled start of the answer). `chat_template_kwargs`: more variables for the template
+        (say, `enable_thinking`)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
-        return _compile_template(self.chat_template).render(
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set: the first continues "
+                             "the final message, the second starts a new one")
+        extra = dict(chat_template_kwargs or {})
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & extra.keys()
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved)}: they have parameters of their own")
+        text = _compile_template(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
+            **extra,
         )
+        if not continue_final_message:
+            return text
+        final = messages[-1]["content"] if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ValueError("continue_final_message needs a final message with text to continue")
+        # as transformers: cut after the final message's last occurrence (stripped, for templates that strip it)
+        for content in (final, final.strip()):
+            at = text.rfind(content)
+            if at >= 0:
+                return text[:at + len(content)]
+        raise ValueError("continue_final_message: the chat template does not render the final message as given")
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.backend.id_to_token(token_id) or ""

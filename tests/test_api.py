@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -225,3 +226,21 @@ def test_vllm_sampling_extras(smollm_llm):
     entry = out.outputs[0].logprobs[0]
     assert len(entry) == 49152 and sorted(lp.rank for lp in entry.values()) == list(range(1, 49153))
     assert abs(sum(math.exp(lp.logprob) for lp in entry.values()) - 1) < 1e-4
+
+
+def test_chat_template_continuation_and_variables_and_their_errors(smollm_llm):
+    tok = copy.copy(smollm_llm.tokenizer)
+    tok.chat_template = "{{ greeting }}{% for m in messages %}[{{ m['content'] | trim }}]{% endfor %}"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " Once upon "}]
+    assert tok.apply_chat_template(chat, False, chat_template_kwargs={"greeting": "Hello"}) == "Hello[hi][Once upon]"
+    # the final message as given does not appear (the template trims it), the stripped one does
+    assert tok.apply_chat_template(chat, False, continue_final_message=True) == "[hi][Once upon"
+    with pytest.raises(ValueError, match="cannot both be set"):
+        tok.apply_chat_template(chat, True, continue_final_message=True)
+    with pytest.raises(ValueError, match="a final message with text"):
+        tok.apply_chat_template(chat[:1] + [{"role": "assistant", "content": " "}], False, continue_final_message=True)
+    with pytest.raises(ValueError, match=r"cannot set \['add_generation_prompt'\]"):
+        tok.apply_chat_template(chat, False, chat_template_kwargs={"add_generation_prompt": True})
+    tok.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render the final message"):
+        tok.apply_chat_template(chat, False, continue_final_message=True)

@@ -76,6 +76,9 @@ def test_hf_dir_with_tokenizer_and_chat_template(tiny_checkpoints, smollm_gguf, 
     tok = load_model(str(tmp_path / "m")).tokenizer
     messages = [{"role": "user", "content": "Hello there"}]
     assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    messages.append({"role": "assistant", "content": "General Kenobi"})  # a final message to continue
+    assert tok.apply_chat_template(messages, False, continue_final_message=True) == ref.apply_chat_template(
+        messages, tokenize=False, continue_final_message=True)
     assert tok.encode("Hello world, how are you?") == ref.encode("Hello world, how are you?")
 
 

@@ -124,6 +124,28 @@ def test_openai_client_completions_and_chat_equal_llm(served, smollm_llm):
     wait_idle(served[1])
 
 
+def test_chat_continues_the_final_message_and_refuses_what_it_cannot_serve(served, smollm_llm):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message (no end-of-turn token), and
+    the answer equals LLM.chat's; settings that cannot hold together get a 400 naming the problem."""
+    c = client(served)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    want = smollm_llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False,
+                           add_generation_prompt=False, continue_final_message=True)[0]
+    assert want.prompt.endswith("<|im_start|>assistant\nMy favourite is")
+    got = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                    extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert got.choices[0].message.content == want.outputs[0].text
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for extra, words in (({"continue_final_message": True}, "cannot both be set"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs cannot set"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template"),
+                         ({"repetition_penalty": 0}, "repetition_penalty")):
+        r = httpx.post(f"{served[0].url}/v1/chat/completions", headers=headers,
+                       json={"model": MODEL, "messages": messages, "max_tokens": 2, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
+    wait_idle(served[1])
+
+
 def test_concurrent_streams_with_disconnects_lose_nothing(served, smollm_llm):
     prompts = [f"Fact number {i}: the" for i in range(8)]
     want = {p: o.outputs[0].text for p, o in zip(prompts, smollm_llm.generate(

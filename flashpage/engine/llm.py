@@ -58,11 +58,15 @@ class LLM:
         return self._run(ids_in_order, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or several, then generate."""
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or several, then generate.
+        `continue_final_message` (with add_generation_prompt=False) continues the final message instead of
+        answering it; `chat_template_kwargs` are more variables for the template (`Tokenizer.apply_chat_template`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self._require_tokenizer()
-        texts = [tok.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        texts = [tok.apply_chat_template(c, add_generation_prompt, continue_final_message, chat_template_kwargs)
+                 for c in conversations]
         # The rendered template already holds any BOS it wants, so no special tokens are added (as transformers).
         prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -74,9 +78,11 @@ class LLM:
         return skeleton_of_thought(self, question, sampling_params, max_points=max_points,
                                    skeleton_max_tokens=skeleton_max_tokens, use_tqdm=use_tqdm)
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         tok = self._require_tokenizer()
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                  chat_template_kwargs), add_special_tokens=False)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:

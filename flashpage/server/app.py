@@ -185,7 +185,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         params = _params(body, body.max_completion_tokens or body.max_tokens, top)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.continue_final_message,
+                                                 body.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request_error", 400, "messages") from e
         ids = tokenizer.encode(text, add_special_tokens=False)

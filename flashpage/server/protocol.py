@@ -13,7 +13,8 @@ from flashpage.sampling_params import SamplingParams
 # OpenAI and vLLM request fields flashpage does not serve: a request that sets one gets a 400 naming it, instead of
 # an answer that silently ignores it. Other unknown fields (user, metadata, ...) change nothing and are ignored.
 UNSERVED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "suffix", "best_of",
-            "use_beam_search", "audio", "modalities", "prediction", "lora_request", "priority")
+            "use_beam_search", "audio", "modalities", "prediction", "lora_request", "priority", "chat_template",
+            "documents")
 
 
 class StreamOptions(BaseModel):
@@ -66,7 +67,7 @@ class _SamplingFields(BaseModel):
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0, presence_penalty=self.presence_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
             min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
@@ -143,6 +144,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the answer continues the final message (vLLM's)
+    chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's)
 
 
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
