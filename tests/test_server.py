@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -144,6 +145,29 @@ def test_chat_continues_the_final_message_and_refuses_what_it_cannot_serve(serve
                        json={"model": MODEL, "messages": messages, "max_tokens": 2, **extra})
         assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
     wait_idle(served[1])
+
+
+def test_add_special_tokens_decides_the_bos(small_server, smollm_llm):
+    """vLLM's add_special_tokens: a completion's text prompt gets the tokenizer's BOS unless it is false; a chat's
+    rendered template gets none unless it is true (here a tokenizer that adds one, on the small server's engine)."""
+    tok = copy.copy(smollm_llm.tokenizer)
+    tok.add_bos = True
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # (SmolLM2's starts with its BOS)
+    server = RunningServer(build_app(small_server[1], tok, MODEL))
+    try:
+        def prompt_tokens(path, body):
+            r = httpx.post(f"{server.url}{path}", json={"model": MODEL, "max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+        n = len(tok.encode("Hello there", add_special_tokens=False))
+        assert prompt_tokens("/v1/completions", {"prompt": "Hello there"}) == n + 1
+        assert prompt_tokens("/v1/completions", {"prompt": "Hello there", "add_special_tokens": False}) == n
+        chat = {"messages": [{"role": "user", "content": "Hello"}]}
+        assert prompt_tokens("/v1/chat/completions", {**chat, "add_special_tokens": True}) == \
+            prompt_tokens("/v1/chat/completions", chat) + 1
+    finally:
+        server.stop()
+    wait_idle(small_server[1])
 
 
 def test_concurrent_streams_with_disconnects_lose_nothing(served, smollm_llm):

@@ -121,7 +121,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         if body.prompt_logprobs is not None:
             prompt_lp = max(body.prompt_logprobs, prompt_lp or 0)
         params = _params(body, 1 if echo_only else body.max_tokens, body.logprobs, prompt_lp)
-        prompts = [_tokenize(p, tokenizer, body.truncate_prompt_tokens) for p in body.prompts()]
+        prompts = [_tokenize(p, tokenizer, body.truncate_prompt_tokens, body.add_special_tokens) for p in body.prompts()]
         for ids in prompts:
             _validate(engine, ids, params)
         texts = [p if isinstance(p, str) and not body.truncate_prompt_tokens else _decode(ids, tokenizer)
@@ -189,7 +189,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
                                                  body.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), "invalid_request_error", 400, "messages") from e
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         if body.truncate_prompt_tokens:
             ids = ids[-body.truncate_prompt_tokens:]
         _validate(engine, ids, params)
@@ -227,14 +227,15 @@ def _params(body, max_tokens, logprobs, prompt_logprobs=None):
         raise APIError(400, str(e), "invalid_request_error", 400, getattr(e, "param", None)) from e
 
 
-def _tokenize(prompt, tokenizer: Tokenizer | None, keep_last: int | None = None) -> list[int]:
+def _tokenize(prompt, tokenizer: Tokenizer | None, keep_last: int | None = None,
+              add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, list):
         ids = prompt
     elif tokenizer is None:
         raise APIError(400, "this model has no tokenizer: send the prompt as token ids", "invalid_request_error", 400,
                        "prompt")
     else:
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return ids[-keep_last:] if keep_last else ids
 
 

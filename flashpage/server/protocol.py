@@ -14,7 +14,8 @@ from flashpage.sampling_params import SamplingParams
 # an answer that silently ignores it. Other unknown fields (user, metadata, ...) change nothing and are ignored.
 UNSERVED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "suffix", "best_of",
             "use_beam_search", "audio", "modalities", "prediction", "lora_request", "priority", "chat_template",
-            "documents")
+            "documents", "echo", "logits_processors", "return_tokens_as_token_ids", "prompt_embeds",
+            "guided_whitespace_pattern")
 
 
 class StreamOptions(BaseModel):
@@ -111,6 +112,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # 0 only with echo: the prompt's log-probs, nothing generated
     logprobs: int | None = None
     echo: bool = False  # the prompt (and, with logprobs, its log-probs) before the completion
+    add_special_tokens: bool = True  # the tokenizer's BOS before a text prompt, where the model has one (vLLM's)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -145,6 +147,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the answer continues the final message (vLLM's)
+    add_special_tokens: bool = False  # a BOS before the rendered template, which holds any it wants (vLLM's)
     chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's)
 
 
