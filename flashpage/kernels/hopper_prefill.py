@@ -220,7 +220,8 @@ def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: 
 def _q_to_fp16(q_in, q16, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Over an FP8 cache the products run in fp16: a Q tile gathered in the queries' own 16-bit type (q_in),
     rewritten in place as fp16 (q16, the same bytes), clamped to its range as the decode does (NaN stays NaN).
-    Each thread rewrites the elements it read, so no barrier is needed between the load and the store."""
+    The tile is read in the layout `_gather_q` copied it with, so each thread converts what its own copies brought
+    (async_copy.wait_group has seen them land) and rewrites only those: no barrier is needed before or between."""
     x = q_in.load(_row_layout(ROWS, HEAD_DIM, 4)).to(gl.float32)
     q16.store(gl.where(x != x, x, gl.minimum(gl.maximum(x, -65504.0), 65504.0)).to(gl.float16))
 
