@@ -170,6 +170,30 @@ def test_add_special_tokens_decides_the_bos(small_server, smollm_llm):
     wait_idle(small_server[1])
 
 
+def test_tokenize_and_detokenize_as_vllm(served, smollm_llm):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize, and their errors."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    tok = smollm_llm.tokenizer
+
+    def post(path, body):
+        return httpx.post(f"{served[0].url}{path}", headers=headers, json={"model": MODEL, **body})
+    r = post("/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert "".join(r["token_strs"]) == "Hello world" and r["max_model_len"] == served[1].max_model_len
+    messages = [{"role": "user", "content": "Hi"}]
+    r = post("/tokenize", {"messages": messages}).json()
+    assert r["tokens"] == smollm_llm.chat_prompt_ids(messages) and r["token_strs"] is None
+    assert post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == tok.apply_chat_template(messages)
+    for path, body, words in (("/tokenize", {}, "either prompt or messages"),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, "either prompt or messages"),
+                              ("/tokenize", {"messages": messages, "continue_final_message": True}, "cannot both"),
+                              ("/detokenize", {"tokens": [0, 10**7]}, "tokens must be integers"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        r = post(path, body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (path, body, r.text)
+    assert httpx.post(f"{served[0].url}/tokenize", json={"prompt": "a"}).status_code == 401
+
+
 def test_concurrent_streams_with_disconnects_lose_nothing(served, smollm_llm):
     prompts = [f"Fact number {i}: the" for i in range(8)]
     want = {p: o.outputs[0].text for p, o in zip(prompts, smollm_llm.generate(

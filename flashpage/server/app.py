@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and
+vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from flashpage.engine.llm_engine import streamable_end
 from flashpage.outputs import RequestOutput
 from flashpage.server.async_engine import AsyncEngine, EngineOverloaded, Update
 from flashpage.server.metrics import Metrics
-from flashpage.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from flashpage.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       error_body)
 from flashpage.tokenizer import Tokenizer
 
 log = logging.getLogger("flashpage.server")
@@ -106,6 +108,34 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "flashpage", "max_model_len": max_model_len}]}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        """vLLM's: the token ids a completion's prompt or a chat's messages become."""
+        check_auth(request)
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "invalid_request_error", 400, "prompt")
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "invalid_request_error", 400)
+        chat = body.messages is not None
+        text = _render_chat(tokenizer, body) if chat else body.prompt
+        special = body.add_special_tokens if body.add_special_tokens is not None else not chat
+        ids = tokenizer.encode(text, add_special_tokens=special)
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        """vLLM's: the text of token ids (special tokens included)."""
+        check_auth(request)
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "invalid_request_error", 400)
+        vocab = engine.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be integers in [0, {vocab})", "invalid_request_error", 400, "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_auth(request)
@@ -177,18 +207,11 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         check_auth(request)
         check_model(body.model)
         _refuse_unserved(body)
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template", "invalid_request_error", 400)
         top = body.top_logprobs if body.logprobs else None
         if body.logprobs and top is None:
             top = 0
         params = _params(body, body.max_completion_tokens or body.max_tokens, top)
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.continue_final_message,
-                                                 body.chat_template_kwargs)
-        except ValueError as e:
-            raise APIError(400, str(e), "invalid_request_error", 400, "messages") from e
+        text = _render_chat(tokenizer, body)
         ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
         if body.truncate_prompt_tokens:
             ids = ids[-body.truncate_prompt_tokens:]
@@ -225,6 +248,19 @@ def _params(body, max_tokens, logprobs, prompt_logprobs=None):
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e), "invalid_request_error", 400, getattr(e, "param", None)) from e
+
+
+def _render_chat(tokenizer: Tokenizer | None, body) -> str:
+    """A chat request's messages as the chat template renders them (its add_generation_prompt,
+    continue_final_message and chat_template_kwargs)."""
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so no chat template", "invalid_request_error", 400)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return tokenizer.apply_chat_template(messages, body.add_generation_prompt, body.continue_final_message,
+                                             body.chat_template_kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), "invalid_request_error", 400, "messages") from e
 
 
 def _tokenize(prompt, tokenizer: Tokenizer | None, keep_last: int | None = None,

@@ -49,6 +49,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.core.validator.limits.vocab_size
+
     # ----- called from the event loop ------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.core.validator(prompt_token_ids, params)  # reads the engine's limits only: safe from any thread

@@ -151,5 +151,22 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict | None = None  # more variables for the chat template (vLLM's)
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion's `prompt`, or a chat's `messages` rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages (as their endpoints)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
