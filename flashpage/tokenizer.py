@@ -125,8 +125,13 @@ class Tokenizer:
                 return text[:at + len(content)]
         raise ValueError("continue_final_message: the chat template does not render the final message as given")
 
+    def id_to_token(self, token_id: int) -> str:
+        """The token as the vocabulary spells it (byte-level BPE's "Ġthe" for " the"), as transformers'
+        convert_ids_to_tokens."""
+        return self.backend.id_to_token(token_id) or ""
+
     def _token_text(self, token_id: int | None) -> str:
-        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
+        return "" if token_id is None else self.id_to_token(token_id)
 
 
 class IncrementalDetokenizer:

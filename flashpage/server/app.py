@@ -121,7 +121,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer | None, model_name: str,
         text = _render_chat(tokenizer, body) if chat else body.prompt
         special = body.add_special_tokens if body.add_special_tokens is not None else not chat
         ids = tokenizer.encode(text, add_special_tokens=special)
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+        strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None  # (as vLLM's)
         return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
