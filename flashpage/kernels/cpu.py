@@ -77,10 +77,10 @@ def packed_product(x, weight, bias, residual):
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
                     softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None):
-    """Decode: one call per group of sequences with the same number of pages, each sequence's keys gathered by
-    slot and padded to its pages, the padding masked. Grouping by a sequence's own page count keeps each result
-    independent of what else is batched (a reduction's order depends on the padded length), so a seeded request
-    samples the same tokens in any batch."""
+    """Decode: one call per sequence, over the keys it sees, gathered by slot. One at a time keeps each result
+    independent of what else is batched, so a seeded request samples the same tokens in any batch: PyTorch's CPU
+    flash kernel, given several sequences and two threads or more, computes one sequence's result differently
+    depending on the others (torch 2.13), and a batched matmul's result depends on the batch's size too."""
     batch = block_table.shape[0]
     if query_mask is not None and q.device.type == "cpu":
         check_query_mask(query_mask, q, causal, window_size)
@@ -90,11 +90,10 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                          out=out, query_mask=query_mask)
     out = torch.empty_like(q) if out is None else out
-    for rows, slots, mask in _decode_groups(block_table, seq_lens_k, kv_cache.block_size, window_size[0]):
-        k, v = (x.transpose(1, 2) for x in read_slots(kv_cache, slots, q.dtype))
-        o = F.scaled_dot_product_attention(q[rows, :, None, :], k, v, attn_mask=mask[:, None, None, :],
-                                           scale=softmax_scale, enable_gqa=True)
-        out[rows] = o[:, :, 0, :]
+    for i, slots in enumerate(_decode_slots(block_table, seq_lens_k, kv_cache.block_size, window_size[0])):
+        k, v = (x.transpose(0, 1)[None] for x in read_slots(kv_cache, slots, q.dtype))  # [1, Hkv, L, D]
+        out[i] = F.scaled_dot_product_attention(q[i, None, :, None, :], k, v, scale=softmax_scale,
+                                                enable_gqa=True)[0, :, 0]
     return out
 
 
@@ -155,33 +154,26 @@ def _tree_masks(cu_seqlens_q, seq_lens_k, query_mask):
     return _last_tree[3]
 
 
-_last_groups: tuple | None = None  # (a step's block table, its lengths, page, window, groups)
+_last_slots: tuple | None = None  # (a step's block table, its lengths, page, window, what _decode_slots returned)
 
 
-def _decode_groups(block_table, seq_lens_k, page: int, window: int):
-    """[(rows, slots [G, L], mask [G, L])]: the sequences of each page count, the cache slot of each of their keys
-    (padding points at the sequence's first key, so it reads written values) and which keys each one sees. Every
-    layer of a step asks with the same block table and lengths, so the groups of the last call are kept and reused
-    for an equal table and lengths: computing them took most of a one-sequence attention call."""
-    global _last_groups
-    memo = _last_groups
+def _decode_slots(block_table, seq_lens_k, page: int, window: int) -> list[torch.Tensor]:
+    """Each sequence's cache slots of the keys its decode query sees. Every layer of a step asks with the same
+    block table and lengths, so the last call's answer is kept and reused for an equal table and lengths:
+    computing it took most of a one-sequence attention call."""
+    global _last_slots
+    memo = _last_slots
     if memo is not None and memo[2:4] == (page, window) and torch.equal(memo[1], seq_lens_k) and \
             torch.equal(memo[0], block_table):
         return memo[4]
-    lens = seq_lens_k.long()
-    num_pages = (lens + page - 1) // page
-    groups = []
-    for n in num_pages.unique().tolist():
-        rows = (num_pages == n).nonzero()[:, 0]
-        key = torch.arange(n * page)[None, :]
-        length = lens[rows, None]
-        mask = key < length  # a decode query is its sequence's last position: it sees every key before it
-        if window >= 0:
-            mask &= key >= length - 1 - window
-        slots = (block_table[rows, :n].long()[:, :, None] * page + torch.arange(page)).flatten(1)
-        groups.append((rows, torch.where(key < length, slots, slots[:, :1]), mask))
-    _last_groups = (block_table.clone(), seq_lens_k.clone(), page, window, groups)
-    return groups
+    offsets = torch.arange(page)
+    slots = []
+    for table, length in zip(block_table.long(), seq_lens_k.tolist()):
+        first = max(0, length - 1 - window) if window >= 0 else 0
+        pages = table[first // page:-(-length // page)]
+        slots.append((pages[:, None] * page + offsets).flatten()[first % page:first % page + length - first])
+    _last_slots = (block_table.clone(), seq_lens_k.clone(), page, window, slots)
+    return slots
 
 
 def read_slots(kv_cache, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
