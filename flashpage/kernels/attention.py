@@ -55,23 +55,49 @@ def exact_cast(x, dtype):
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, hi, k_start,
-                  sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
-                  stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new,
+def _e4m3_pairs(x, INTERPRET: tl.constexpr):
+    """An FP8 (e4m3) cache's tile read as 16-bit words, each two neighbouring values of a row (the even column in
+    the low byte): the even columns' and the odd columns' values, as fp16 tiles. Read this way the tile reaches
+    the registers as a 16-bit one does (`ldmatrix`) instead of byte by byte, and one byte permute and two
+    conversions widen four values (docs/kernel-notes.md). The interpreter runs no PTX: it splits the bytes with
+    integer operations."""
+    if INTERPRET:
+        lo = x.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = (x >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return lo, hi
+    # $2 holds two words [b3 b2 | b1 b0]: the low bytes (b2 b0) go to $0, the high ones (b3 b1) to $1
+    return tl.inline_asm_elementwise(
+        asm="""{ .reg .b32 t; .reg .b16 lo, hi;
+        prmt.b32 t, $2, 0, 0x3120;
+        mov.b32 {lo, hi}, t;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi; }""",
+        constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, hi,
+                  k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt,
+                  stride_vh, stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr):
+                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking.
     TOKEN_SCALES: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
     probabilities (a quantized cache's values convert to the query's dtype exactly). TREE: the step's own keys
-    (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so."""
+    (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so. PAIRS: the copy engine
+    reads an FP8 cache as 16-bit words (`_e4m3_pairs`); q and acc hold the even columns, q_odd and acc_odd the
+    odd ones."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
         if TMA:  # K/V are descriptors of the cache as [slots, Hkv * D]; a tile lies inside one page
             block = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE)
             row = block * PAGE_SIZE + start % PAGE_SIZE
-            k = exact_cast(tl.trans(K.load([row, kv_head * stride_kh])), q.dtype)
+            if PAIRS:
+                k, k_odd = _e4m3_pairs(tl.trans(K.load([row, kv_head * stride_kh])), INTERPRET)
+            else:
+                k = exact_cast(tl.trans(K.load([row, kv_head * stride_kh])), q.dtype)
         elif PAGED:
             block = tl.load(BlockTable + seq * stride_bt + kpos // PAGE_SIZE, mask=k_ok, other=0).to(tl.int64)
             k_row = block * stride_kb + (kpos % PAGE_SIZE) * stride_kt
@@ -82,7 +108,10 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
         if not TMA:
             k = exact_cast(tl.load(K + k_row[None, :] + kv_head * stride_kh + d[:, None],
                                  mask=k_ok[None, :] & d_ok[:, None], other=0.0), q.dtype)
-        s = tile_dot(q, k, UPCAST) * sm_scale_log2
+        s = tile_dot(q, k, UPCAST)
+        if PAIRS:
+            s += tile_dot(q_odd, k_odd, UPCAST)
+        s = s * sm_scale_log2
         if TOKEN_SCALES:  # scales [blocks, Hkv, PAGE_SIZE]; 0 past the end: its scores are masked, 0 * NaN is not
             scale_at = (block.to(tl.int64) * num_kv_heads + kv_head) * PAGE_SIZE + kpos % PAGE_SIZE
             s = s * tl.load(KScale + scale_at, mask=k_ok, other=0.0)[None, :]
@@ -108,7 +137,12 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
+        if TMA and PAIRS:
+            v = V.load([row, kv_head * stride_vh])
+            if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
+                v = tl.where(k_ok[:, None], v, 0)
+            v, v_odd = _e4m3_pairs(v, INTERPRET)
+        elif TMA:
             v = exact_cast(V.load([row, kv_head * stride_vh]), q.dtype)
             if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
                 v = tl.where(k_ok[:, None], v, 0.0)
@@ -118,8 +152,10 @@ def _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_he
         if TOKEN_SCALES:
             p = p * tl.load(VScale + scale_at, mask=k_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
+        if PAIRS:
+            acc_odd = acc_odd * alpha[:, None] + tile_dot(p.to(v_odd.dtype), v_odd, UPCAST)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, acc_odd, m_i, l_i
 
 
 @triton.jit
@@ -133,7 +169,7 @@ def _attend_sequence(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
-    TREE: tl.constexpr,
+    TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys."""
     q_start = tl.load(CuSeqlensQ + seq)
@@ -155,6 +191,9 @@ def _attend_sequence(
     d_ok = d < HEAD_DIM
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_odd = q
+    if PAIRS:  # q: the even columns, q_odd: the odd ones
+        q, q_odd = tl.split(tl.reshape(q, [BLOCK_M, BLOCK_D // 2, 2]))
 
     # The keys any row of this tile can see: [lo, hi).
     q_pos = k_len - q_len + tok
@@ -198,21 +237,25 @@ def _attend_sequence(
         v_scale = tl.load(VScale + kv_head)
         # e4m3 widens to fp16 in one instruction (to bf16 by way of float32 in four)
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q_odd = tl.clamp(q_odd.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D // (1 + PAIRS)], dtype=tl.float32)
+    acc_odd = acc
     if not MASK_EVERY_TILE:
-        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo,
-                                      unmasked_hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
-                                      stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads,
-                                      d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL,
-                                      False, TMA, UPCAST, KV_SCALES == 2, TREE)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos,
-                                  unmasked_hi, hi, k_start, sm_scale_log2, window_left, window_right, stride_kt,
-                                  stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_bt, num_kv_heads, d,
-                                  d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, True, TMA,
-                                  UPCAST, KV_SCALES == 2, TREE)
+        acc, acc_odd, m_i, l_i = _attend_tiles(
+            acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
+            k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
+            stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
+            CAUSAL, False, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, INTERPRET)
+    acc, acc_odd, m_i, l_i = _attend_tiles(
+        acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi,
+        k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
+        stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
+        CAUSAL, True, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, INTERPRET)
 
+    if PAIRS:
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_D])
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if NUM_SPLITS == 1:
         tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -236,7 +279,7 @@ def _attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
-    TREE: tl.constexpr, PDL: tl.constexpr,
+    TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the merge may launch now and wait on the GPU for this grid, instead of launching after it
         tl.extra.cuda.gdc_launch_dependents()
@@ -254,14 +297,14 @@ def _attention_kernel(
                              num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt,
                              stride_vh, stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph,
                              stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE)
+                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
     else:
         _attend_sequence(tl.program_id(1), pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse,
                          CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                          num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
                          stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph, stride_ls,
                          stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS,
-                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE)
+                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
 
 
 @triton.jit
@@ -378,6 +421,12 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
     decode = block_m == 16
     kv_strides = (k.stride(-3), k.stride(-2), k.stride(0) if paged else 0,
                   v.stride(-3), v.stride(-2), v.stride(0) if paged else 0)
+    # An FP8 cache's tiles come as 16-bit words (_e4m3_pairs). INT8's measured slower that way: its values widen
+    # by way of float32, not in pairs (docs/kernel-notes.md).
+    pairs = tma and k.dtype == torch.float8_e4m3fn
+    if pairs:
+        k, v = k.view(torch.int16), v.view(torch.int16)
+        kv_strides = (k.stride(-3), k.stride(-2), k.stride(0), v.stride(-3), v.stride(-2), v.stride(0))
     if tma:
         assert page_size % block_n == 0, "a copy-engine tile must lie inside one page"
         k, v = (cache_descriptor(c, block_n) for c in (k, v))
@@ -393,7 +442,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
                   BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
                   NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and interpret,
-                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1, TREE=tree_mask is not None)
+                  KV_SCALES=0 if scales is None else 2 if scales[0].dim() == 3 else 1, TREE=tree_mask is not None,
+                  PAIRS=pairs, INTERPRET=interpret)
     if num_splits == 1:  # the kernel normalises and writes `out` itself
         part, lse, part_strides = out, out, (0, 0, 0, 0, 0)
     else:
