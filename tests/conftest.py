@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+
+# Triton's CPU interpreter multiplies tiles with numpy's matmul, whose OpenBLAS kernels depend on the CPU (or on
+# OPENBLAS_CORETYPE, which CI's machines set to Haswell): with Haswell's, a row's product depends on its position
+# in the tile, which the batch-invariance tests would take for a kernel bug. Sandybridge's kernels (AVX, which
+# every x86-64 CPU has that these tests run on) compute every row alike. Chosen before numpy loads.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 
 import pytest
 import torch
