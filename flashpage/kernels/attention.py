@@ -55,23 +55,37 @@ def exact_cast(x, dtype):
 
 
 @triton.jit
-def _e4m3_pairs(x, INTERPRET: tl.constexpr):
-    """An FP8 (e4m3) cache's tile read as 16-bit words, each two neighbouring values of a row (the even column in
-    the low byte): the even columns' and the odd columns' values, as fp16 tiles. Read this way the tile reaches
-    the registers as a 16-bit one does (`ldmatrix`) instead of byte by byte, and one byte permute and two
-    conversions widen four values (docs/kernel-notes.md). The interpreter runs no PTX: it splits the bytes with
-    integer operations."""
+def _byte_pairs(x, KV_SCALES: tl.constexpr, INTERPRET: tl.constexpr):
+    """An 8-bit cache's tile read as 16-bit words, each two neighbouring values of a row (the even column in the
+    low byte): the even columns' and the odd columns' values, as fp16 tiles (exact for e4m3 and for int8). Read
+    this way the tile reaches the registers as a 16-bit one does (`ldmatrix`) instead of byte by byte, and a few
+    byte permutes widen four values at a time (docs/kernel-notes.md). The interpreter runs no PTX: it splits the
+    bytes with integer operations."""
     if INTERPRET:
-        lo = x.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        hi = (x >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        return lo, hi
-    # $2 holds two words [b3 b2 | b1 b0]: the low bytes (b2 b0) go to $0, the high ones (b3 b1) to $1
+        lo = x.to(tl.int8)
+        hi = (x >> 8).to(tl.int8)
+        if KV_SCALES == 1:
+            return (lo.to(tl.float8e4nv, bitcast=True).to(tl.float16),
+                    hi.to(tl.float8e4nv, bitcast=True).to(tl.float16))
+        return lo.to(tl.float32).to(tl.float16), hi.to(tl.float32).to(tl.float16)
+    # $2 holds two words [b3 b2 | b1 b0]: the low bytes (b2 b0) become $0, the high ones (b3 b1) $1
+    if KV_SCALES == 1:  # e4m3: two conversions of two values each
+        return tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 t; .reg .b16 lo, hi;
+            prmt.b32 t, $2, 0, 0x3120;
+            mov.b32 {lo, hi}, t;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi; }""",
+            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    # int8: each byte + 128 under fp16's exponent of 1024 (0x64..) is 1024 + 128 + value, exactly; less 1152
     return tl.inline_asm_elementwise(
-        asm="""{ .reg .b32 t; .reg .b16 lo, hi;
-        prmt.b32 t, $2, 0, 0x3120;
-        mov.b32 {lo, hi}, t;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi; }""",
+        asm="""{ .reg .b32 t, lo, hi, bias;
+        xor.b32 t, $2, 0x80808080;
+        prmt.b32 lo, t, 0x64646464, 0x4240;
+        prmt.b32 hi, t, 0x64646464, 0x4341;
+        mov.b32 bias, 0x64806480;
+        sub.f16x2 $0, lo, bias;
+        sub.f16x2 $1, hi, bias; }""",
         constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
 
 
@@ -81,12 +95,13 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockT
                   stride_vh, stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr):
+                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr, PAIRS: tl.constexpr, KV_SCALES: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking.
     TOKEN_SCALES: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
     probabilities (a quantized cache's values convert to the query's dtype exactly). TREE: the step's own keys
     (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so. PAIRS: the copy engine
-    reads an FP8 cache as 16-bit words (`_e4m3_pairs`); q and acc hold the even columns, q_odd and acc_odd the
+    reads an 8-bit cache as 16-bit words (`_byte_pairs`); q and acc hold the even columns, q_odd and acc_odd the
     odd ones."""
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
@@ -95,7 +110,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockT
             block = tl.load(BlockTable + seq * stride_bt + start // PAGE_SIZE)
             row = block * PAGE_SIZE + start % PAGE_SIZE
             if PAIRS:
-                k, k_odd = _e4m3_pairs(tl.trans(K.load([row, kv_head * stride_kh])), INTERPRET)
+                k, k_odd = _byte_pairs(tl.trans(K.load([row, kv_head * stride_kh])), KV_SCALES, INTERPRET)
             else:
                 k = exact_cast(tl.trans(K.load([row, kv_head * stride_kh])), q.dtype)
         elif PAGED:
@@ -141,7 +156,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockT
             v = V.load([row, kv_head * stride_vh])
             if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
                 v = tl.where(k_ok[:, None], v, 0)
-            v, v_odd = _e4m3_pairs(v, INTERPRET)
+            v, v_odd = _byte_pairs(v, KV_SCALES, INTERPRET)
         elif TMA:
             v = exact_cast(V.load([row, kv_head * stride_vh]), q.dtype)
             if MASKED:  # slots past the sequence's end hold anything, NaN included, and 0 * NaN is NaN
@@ -229,13 +244,14 @@ def _attend_sequence(
         unmasked_hi = lo + tl.maximum(bound - lo, 0) // BLOCK_N * BLOCK_N
 
     # A quantized cache's scales (flashpage.kv.cache): an FP8 cache's, one per KV head, scale the scores and the
-    # output; an INT8 cache's, one per key, are applied tile by tile. Over an FP8 cache the products run in fp16:
-    # queries are clamped to its range, and probabilities keep three more bits than in bf16.
+    # output; an INT8 cache's, one per key, are applied tile by tile. Over an FP8 cache, and over an INT8 one read
+    # in pairs, the products run in fp16: queries are clamped to its range, and probabilities keep three more bits
+    # than in bf16.
     v_scale = 1.0
     if KV_SCALES == 1:
         sm_scale_log2 = sm_scale_log2 * tl.load(KScale + kv_head)
         v_scale = tl.load(VScale + kv_head)
-        # e4m3 widens to fp16 in one instruction (to bf16 by way of float32 in four)
+    if KV_SCALES == 1 or PAIRS:  # e4m3 widens to fp16 in one instruction (to bf16 by way of float32 in four)
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         q_odd = tl.clamp(q_odd.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -247,12 +263,12 @@ def _attend_sequence(
             acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
             k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
             stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-            CAUSAL, False, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, INTERPRET)
+            CAUSAL, False, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, KV_SCALES, INTERPRET)
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi,
         k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
         stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-        CAUSAL, True, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, INTERPRET)
+        CAUSAL, True, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, KV_SCALES, INTERPRET)
 
     if PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_D])
@@ -421,9 +437,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
     decode = block_m == 16
     kv_strides = (k.stride(-3), k.stride(-2), k.stride(0) if paged else 0,
                   v.stride(-3), v.stride(-2), v.stride(0) if paged else 0)
-    # An FP8 cache's tiles come as 16-bit words (_e4m3_pairs). INT8's measured slower that way: its values widen
-    # by way of float32, not in pairs (docs/kernel-notes.md).
-    pairs = tma and k.dtype == torch.float8_e4m3fn
+    pairs = tma and k.element_size() == 1  # an 8-bit cache's tiles come as 16-bit words (_byte_pairs)
     if pairs:
         k, v = k.view(torch.int16), v.view(torch.int16)
         kv_strides = (k.stride(-3), k.stride(-2), k.stride(0), v.stride(-3), v.stride(-2), v.stride(0))
