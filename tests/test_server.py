@@ -147,13 +147,15 @@ def test_chat_continues_the_final_message_and_refuses_what_it_cannot_serve(serve
     wait_idle(served[1])
 
 
-def test_add_special_tokens_decides_the_bos(small_server, smollm_llm):
+def test_add_special_tokens_decides_the_bos(smollm_llm):
     """vLLM's add_special_tokens: a completion's text prompt gets the tokenizer's BOS unless it is false; a chat's
-    rendered template gets none unless it is true (here a tokenizer that adds one, on the small server's engine)."""
+    rendered template gets none unless it is true (here a tokenizer that adds one). The app gets an engine of its
+    own: stopping an app shuts its engine down, and a shared one would answer every later test with 503."""
     tok = copy.copy(smollm_llm.tokenizer)
     tok.add_bos = True
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # (SmolLM2's starts with its BOS)
-    server = RunningServer(build_app(small_server[1], tok, MODEL))
+    engine = AsyncEngine(engine_from(smollm_llm, max_model_len=64), max_waiting=64)
+    server = RunningServer(build_app(engine, tok, MODEL))
     try:
         def prompt_tokens(path, body):
             r = httpx.post(f"{server.url}{path}", json={"model": MODEL, "max_tokens": 1, **body})
@@ -165,9 +167,10 @@ def test_add_special_tokens_decides_the_bos(small_server, smollm_llm):
         chat = {"messages": [{"role": "user", "content": "Hello"}]}
         assert prompt_tokens("/v1/chat/completions", {**chat, "add_special_tokens": True}) == \
             prompt_tokens("/v1/chat/completions", chat) + 1
+        wait_idle(engine)
     finally:
         server.stop()
-    wait_idle(small_server[1])
+        engine.shutdown()
 
 
 def test_tokenize_and_detokenize_as_vllm(served, smollm_llm, smollm_gguf):
@@ -382,6 +385,7 @@ def request_bodies(draw):
                                                                  HealthCheck.too_slow])
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=request_bodies())
 def test_fuzzed_requests_never_get_500(small_server, path, body):
+    assert not small_server[1]._stop, "the small server's engine was shut down by an earlier test"
     r = httpx.post(small_server[0].url + path, json=body, timeout=60)
     assert r.status_code in (200, 400, 404), (r.status_code, body, r.text[:300])
     if r.status_code != 200:
