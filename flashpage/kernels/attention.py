@@ -95,10 +95,9 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockT
                   stride_vh, stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
                   CAUSAL: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr,
-                  TOKEN_SCALES: tl.constexpr, TREE: tl.constexpr, PAIRS: tl.constexpr, KV_SCALES: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  KV_SCALES: tl.constexpr, TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax over the key tiles in [lo, hi). Unmasked tiles (every row sees every key) skip all masking.
-    TOKEN_SCALES: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
+    KV_SCALES == 2: an INT8 cache, each key's and value's scale read beside the tile and applied to its scores and
     probabilities (a quantized cache's values convert to the query's dtype exactly). TREE: the step's own keys
     (from first_new on) are seen by a row only where its bit in tree_bits [BLOCK_M] says so. PAIRS: the copy engine
     reads an 8-bit cache as 16-bit words (`_byte_pairs`); q and acc hold the even columns, q_odd and acc_odd the
@@ -127,7 +126,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockT
         if PAIRS:
             s += tile_dot(q_odd, k_odd, UPCAST)
         s = s * sm_scale_log2
-        if TOKEN_SCALES:  # scales [blocks, Hkv, PAGE_SIZE]; 0 past the end: its scores are masked, 0 * NaN is not
+        if KV_SCALES == 2:  # scales [blocks, Hkv, PAGE_SIZE]; 0 past the end: its scores are masked, 0 * NaN is not
             scale_at = (block.to(tl.int64) * num_kv_heads + kv_head) * PAGE_SIZE + kpos % PAGE_SIZE
             s = s * tl.load(KScale + scale_at, mask=k_ok, other=0.0)[None, :]
         if MASKED:
@@ -164,7 +163,7 @@ def _attend_tiles(acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockT
         else:
             v = exact_cast(tl.load(V + v_row[:, None] + kv_head * stride_vh + d[None, :],
                                  mask=k_ok[:, None] & d_ok[None, :], other=0.0), q.dtype)
-        if TOKEN_SCALES:
+        if KV_SCALES == 2:
             p = p * tl.load(VScale + scale_at, mask=k_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
         if PAIRS:
@@ -263,12 +262,12 @@ def _attend_sequence(
             acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, lo, unmasked_hi,
             k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
             stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-            CAUSAL, False, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, KV_SCALES, INTERPRET)
+            CAUSAL, False, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
     acc, acc_odd, m_i, l_i = _attend_tiles(
         acc, acc_odd, m_i, l_i, q, q_odd, K, V, KScale, VScale, BlockTable, seq, kv_head, q_pos, unmasked_hi, hi,
         k_start, sm_scale_log2, window_left, window_right, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
         stride_vb, stride_bt, num_kv_heads, d, d_ok, tree_bits, first_new, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-        CAUSAL, True, TMA, UPCAST, KV_SCALES == 2, TREE, PAIRS, KV_SCALES, INTERPRET)
+        CAUSAL, True, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
 
     if PAIRS:
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, BLOCK_D])
