@@ -195,6 +195,17 @@ def test_fp8_scales_from_the_checkpoint(tiny_checkpoints, tmp_path):
         LLM(str(tmp_path / "m"), device="cpu", kv_cache_dtype="fp8")
 
 
+def test_kv_cache_dtype_names(tiny_checkpoints):
+    """vLLM's fp8_e4m3 is the FP8 cache; a dtype flashpage does not serve (vLLM's fp8_e5m2, say) is named with the
+    ones it does, before the model loads."""
+    path, _ = tiny_checkpoints["llama3-rope-scaling"]
+    llm = LLM(str(path), device="cpu", kv_cache_dtype="fp8_e4m3")
+    assert llm.stats()["kv_cache_dtype"] == "fp8" and llm.engine.runner.kv_caches[0].k.dtype == FP8
+    for bad in ("fp8_e5m2", "float16", "FP8"):
+        with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, int8, got '{bad}'"):
+            LLM("/nonexistent/model", device="cpu", kv_cache_dtype=bad)
+
+
 @pytest.mark.parametrize("kind,bound", [("fp8", 1.01), ("int8", 1.02)])
 def test_quantized_cache_quality_on_real_text(kind, bound, smollm_llm, smollm_gguf):
     """SmolLM2 on CPython's documentation: perplexity over 2,048 tokens, float32 cache against a quantized one

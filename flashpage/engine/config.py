@@ -53,9 +53,10 @@ class EngineConfig:
                                         "bfloat16 activations at their products (default: gguf for such a file "
                                         "with dtype auto on a CPU with AMX; otherwise as the checkpoint is stored, "
                                         "dequantized)", ("fp8", "gguf"))
-    kv_cache_dtype: str = _setting("auto", "auto: the model's dtype; fp8: e4m3, one scale per layer and KV head "
-                                   "(1, or the checkpoint's); int8: one scale per token and KV head; either holds "
-                                   "about twice the tokens of a 16-bit cache in the same memory", ("auto", "fp8", "int8"))
+    kv_cache_dtype: str = _setting("auto", "auto: the model's dtype; fp8 (or vLLM's name for it, fp8_e4m3): e4m3, "
+                                   "one scale per layer and KV head (1, or the checkpoint's); int8: one scale per "
+                                   "token and KV head; either holds about twice the tokens of a 16-bit cache in the "
+                                   "same memory", ("auto", "fp8", "fp8_e4m3", "int8"))
     tensor_parallel_size: int = _setting(1, "split the model over this many ranks, one process per GPU (CPU: "
                                          "processes over gloo); under torchrun, its world size")
     speculative_config: dict | None = _setting(None, "speculative decoding, as vLLM's dict (JSON on the command "
@@ -81,6 +82,8 @@ class EngineConfig:
             if f.metadata["choices"] and value is not None and value not in f.metadata["choices"]:
                 raise ParameterError(f.name, f"engine setting {f.name} must be one of {', '.join(f.metadata['choices'])}"
                                      f", got {value!r}")
+        if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's other name for its e4m3 cache
+            self.kv_cache_dtype = "fp8"
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cpu_threads", "tensor_parallel_size"):
