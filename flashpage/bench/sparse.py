@@ -85,7 +85,7 @@ PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_attend_c
 
 def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]:
     """GPU time per phase of one eager SparQ step (median of 5, by the profiler's kernel names): its own kernels,
-    and torch's (the components' top-r and the keys' top-k) as "torch"."""
+    and torch's (the keys' top-k) as "torch"."""
     cu = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
     runs = []
     for _ in range(5):
@@ -98,7 +98,7 @@ def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]
             name = next((v for key, v in PHASES.items() if key in e.key), "torch")
             times[name] = times.get(name, 0.0) + us / 1e3
         runs.append(times)
-    return {n: sorted(t.get(n, 0.0) for t in runs)[2] for n in ["scores", "aggregate", "attend", "combine", "torch"]}
+    return {n: sorted(t.get(n, 0.0) for t in runs)[2] for n in [*PHASES.values(), "torch"]}
 
 
 def pattern_for(context: int, density: float) -> BlockSparsePattern:

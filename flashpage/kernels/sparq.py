@@ -3,11 +3,15 @@
 The algorithm and its PyTorch reference are `reference.sparq_attention`; here it runs as five steps, each a plain
 pass over memory, so that a step reads r / head_dim of the keys, k whole keys and values, and one running value
 sum, instead of every key and value:
-1. the r components of each (sequence, KV head): torch's topk over |q| summed over the group (tiny);
-2. `_approximate_scores`: those components of every key, from the component-major copy `k_t` (one 32-byte run per
-   component and page of 16), give each head's approximate scores (kept, float32) and, per split of the keys,
-   their running max and sum;
-3. `_aggregate`: each key's approximate probability summed over the group's heads; torch's topk picks k keys;
+1. `_approximate_scores` chooses the r components of each (sequence, KV head), the largest of |q| summed over the
+   group (`tl.topk`, in every program: 128 values),
+2. and those components of every key, from the component-major copy `k_t` (one 32-byte run per
+   component and page of 16), give each head's approximate scores (kept, a key's heads side by side) and, per
+   split of the keys, their running max and sum;
+3. `_aggregate`: each key's approximate probability summed over the group's heads; torch's topk picks k keys.
+   For a 16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and torch.topk
+   takes two thirds of the time. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
+   activations that moved the output 0.2% (median) against SparQ's 21% from dense attention (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
@@ -30,7 +34,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2,
+def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2,
                         num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block,
                         stride_head, stride_comp, stride_tok,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -45,12 +49,15 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
     g = tl.arange(0, GROUP_PAD)
     g_ok = g < GROUP
     heads = h * GROUP + g
-    j = tl.arange(0, BLOCK_R)
-    j_ok = j < R
-    comp = tl.load(Comp + (b * num_kv_heads + h) * R + j, mask=j_ok, other=0)
     d = tl.arange(0, BLOCK_D)
     q_rows = Q + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0).to(tl.float32)
+    # the R components where |q| summed over the group is largest: the sums' bits (non-negative floats order as
+    # their bits do) above each component's index (ties to the lower one), the top BLOCK_R of them, largest first
+    weight = tl.sum(tl.abs(q), 0).to(tl.int32, bitcast=True).to(tl.int64)
+    packed = tl.where(d < HEAD_DIM, (weight << 32) | (BLOCK_D - 1 - d), -1)
+    comp = (BLOCK_D - 1 - (tl.topk(packed, BLOCK_R) & 0xFFFFFFFF)).to(tl.int32)
+    j_ok = tl.arange(0, BLOCK_R) < R
     q_hat = tl.load(q_rows + comp[None, :], mask=g_ok[:, None] & j_ok[None, :], other=0.0)
     # each head's temperature: the share of its |q| that the chosen components carry
     frac = tl.sum(tl.abs(q_hat.to(tl.float32)), 1) / tl.maximum(tl.sum(tl.abs(q), 1), 1e-30)
@@ -73,7 +80,8 @@ def _approximate_scores(Q, Comp, KT, BlockTable, SeqLens, Logits, PartM, PartL, 
                      mask=j_ok[:, None] & ok[None, :], other=0.0)
         s = tile_dot(q_hat, kt, UPCAST) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
-        tl.store(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], s, mask=g_ok[:, None] & ok[None, :])
+        tl.store(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None], s.to(Logits.dtype.element_ty),
+                 mask=g_ok[:, None] & ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
@@ -112,10 +120,10 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, 
         tl.store(Lse + b * num_kv_heads * GROUP + heads, lse, mask=g_ok)
     n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     ok = n < tl.load(SeqLens + b)
-    s = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + n[None, :], mask=g_ok[:, None] & ok[None, :],
+    s = tl.load(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None], mask=g_ok[:, None] & ok[None, :],
                 other=float("-inf"))
     agg = tl.sum(tl.exp2(s - lse[:, None]), 0)
-    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0), mask=n < max_keys)
+    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0).to(Agg.dtype.element_ty), mask=n < max_keys)
 
 
 @triton.jit
@@ -147,14 +155,14 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
-        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0)
+        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0).to(tl.int32)  # (torch's int64)
         ok = (i < hi) & (key < n_keys)  # a sequence shorter than k chose some places past its end
         block = tl.load(BlockTable + b * stride_bt + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         row = block * stride_cb + (key % PAGE_SIZE) * stride_ct + h * stride_ch
         k = tl.load(KCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s = tile_dot(q, tl.trans(k), UPCAST)
         s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))
-        s_hat = tl.load(Logits + b * stride_lb + heads[:, None] * stride_lh + key[None, :],
+        s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g[:, None],
                         mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
         alpha += tl.sum(tl.exp2(s_hat - lse[:, None]), 1)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -215,8 +223,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
                     out=None, num_splits=None, tiles=None, strided=False):
     """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
     attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step and warps of
-    the scores, of the attention) their shapes (tests, benchmark sweeps). strided=True reads the r components from
-    the cache's K instead of its component-major copy (what the copy saves, measured by `bench kernels --sparse`)."""
+    the scores; keys per step, warps and pipeline stages of the attention) their shapes (tests, benchmark sweeps).
+    strided=True reads the r components from the cache's K instead of its component-major copy (what the copy saves, measured by `bench kernels --sparse`)."""
     if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
         raise ValueError("SparQ's Triton kernels decode: one query per sequence")
     if kv_cache.k_t is None:
@@ -230,17 +238,16 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
     max_keys = block_table.shape[1] * page
     num_chosen = min(k, max_keys)
-    block_n, score_warps, attend_n, attend_warps = tiles or (512, 4, 32, 4)
+    block_n, score_warps, attend_n, attend_warps, attend_stages = tiles or (64, 1, 32, 4, 3)
     block_n = max(block_n, page)
     score_splits, attend_splits = num_splits or (
         _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device),
         _splits(batch, hkv, triton.cdiv(num_chosen, attend_n), q.device))
     dev, f32 = q.device, torch.float32
-    # 1. the components: |q| summed over each group
-    comp = q.view(batch, hkv, group, dim).float().abs().sum(2).topk(min(r, dim), dim=-1).indices.to(torch.int32).contiguous()
-    r = comp.shape[-1]
-    # 2. approximate scores
-    logits = torch.empty(batch, hq, max_keys, dtype=f32, device=dev)
+    # 1, 2. the components (chosen in the kernel) and the approximate scores
+    r = min(r, dim)
+    kept = f32 if q.dtype == f32 else torch.float16
+    logits = torch.empty(batch, hkv, max_keys, group, dtype=kept, device=dev)
     part_m = torch.empty(batch, hq, score_splits, dtype=f32, device=dev)
     part_l = torch.empty_like(part_m)
     group_pad = triton.next_power_of_2(group)
@@ -250,20 +257,20 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # (block, head, component, token) strides of the keys read
     key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
     _approximate_scores[(batch, hkv, score_splits)](
-        q, comp, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
+        q, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
         hkv, q.stride(0), q.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides,
         GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim,
         BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         num_warps=score_warps)
     # 3. each key's summed probability; the k most likely keys
-    agg = torch.empty(batch, hkv, max_keys, dtype=f32, device=dev)
+    agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
     agg_block = 1024
     _aggregate[(batch, hkv, triton.cdiv(max_keys, agg_block))](
         logits, part_m, part_l, seq_lens_k, agg, lse, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
         agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, num_warps=4)
-    chosen = agg.topk(num_chosen, dim=-1, sorted=False).indices.to(torch.int32)
+    chosen = agg.topk(num_chosen, dim=-1, sorted=False).indices
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
     part_lse = torch.empty(batch, hq, attend_splits, dtype=f32, device=dev)
@@ -274,8 +281,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0), block_table.stride(0),
         logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1),
         GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
-        NUM_SPLITS=attend_splits, UPCAST=upcast,
-        num_warps=attend_warps)
+        NUM_SPLITS=attend_splits, UPCAST=upcast, num_warps=attend_warps, num_stages=attend_stages)
     # 5. combine with the mean value
     _combine[(batch, hq)](
         part_out, part_lse, part_alpha, kv_cache.v_cumsum, block_table, seq_lens_k, out, hkv, k,
