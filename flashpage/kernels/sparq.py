@@ -80,8 +80,8 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_sca
                      mask=j_ok[:, None] & ok[None, :], other=0.0)
         s = tile_dot(q_hat, kt, UPCAST) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
-        tl.store(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None], s.to(Logits.dtype.element_ty),
-                 mask=g_ok[:, None] & ok[None, :])
+        tl.store(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
+                 s.to(Logits.dtype.element_ty), mask=g_ok[:, None] & ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
         m_i = m_new
@@ -120,10 +120,11 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, 
         tl.store(Lse + b * num_kv_heads * GROUP + heads, lse, mask=g_ok)
     n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     ok = n < tl.load(SeqLens + b)
-    s = tl.load(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None], mask=g_ok[:, None] & ok[None, :],
-                other=float("-inf"))
+    s = tl.load(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
+                mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
     agg = tl.sum(tl.exp2(s - lse[:, None]), 0)
-    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0).to(Agg.dtype.element_ty), mask=n < max_keys)
+    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0).to(Agg.dtype.element_ty),
+             mask=n < max_keys)
 
 
 @triton.jit
@@ -155,7 +156,7 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         i = start + tl.arange(0, BLOCK_N)
-        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0).to(tl.int32)  # (torch's int64)
+        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0).to(tl.int32)  # (int64)
         ok = (i < hi) & (key < n_keys)  # a sequence shorter than k chose some places past its end
         block = tl.load(BlockTable + b * stride_bt + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         row = block * stride_cb + (key % PAGE_SIZE) * stride_ct + h * stride_ch
@@ -224,7 +225,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
     attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step and warps of
     the scores; keys per step, warps and pipeline stages of the attention) their shapes (tests, benchmark sweeps).
-    strided=True reads the r components from the cache's K instead of its component-major copy (what the copy saves, measured by `bench kernels --sparse`)."""
+    strided=True reads the r components from the cache's K instead of its component-major copy (what the copy
+    saves, measured by `bench kernels --sparse`)."""
     if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
         raise ValueError("SparQ's Triton kernels decode: one query per sequence")
     if kv_cache.k_t is None:
