@@ -109,11 +109,15 @@ def test_a_checkpoint_quantizes_as_it_loads(tiny_checkpoints):
     path, _ = tiny_checkpoints["llama3-rope-scaling"]
     full = LLM(str(path), dtype="float32", device="cpu")
     fp8 = LLM(str(path), dtype="float32", device="cpu", quantization="fp8")
-    dense, quantized = full.engine.runner.model.layers[1].mlp, fp8.engine.runner.model.layers[1].mlp
-    q, scale = quantize_rows(dense.gate_up_proj.weight)  # each row by its own largest magnitude
-    assert quantized.gate_up_proj.weight.dtype == FP8 and torch.equal(quantized.gate_up_proj.weight.view(torch.uint8),
-                                                                      q.view(torch.uint8))
-    assert torch.equal(quantized.gate_up_proj.weight_scale, scale)
+    dense, quantized = full.engine.runner.model.layers[1], fp8.engine.runner.model.layers[1]
+    gain = dense.post_attention_layernorm.weight
+    assert not torch.all(gain == 1)  # (or the fold below is not tested)
+    # the norm's gain multiplied into gate/up's columns, then each row quantized by its own largest magnitude
+    q, scale = quantize_rows(dense.mlp.gate_up_proj.weight * gain)
+    assert quantized.mlp.gate_up_proj.weight.dtype == FP8 and torch.equal(
+        quantized.mlp.gate_up_proj.weight.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(quantized.mlp.gate_up_proj.weight_scale, scale)
+    assert torch.all(quantized.post_attention_layernorm.weight == 1)
     model = fp8.engine.runner.model
     assert model.embed_tokens.weight.dtype == model.norm.weight.dtype == torch.float32  # not quantized
     assert 0 < rel_err(_logits(fp8, PROMPTS), _logits(full, PROMPTS)) < 0.1

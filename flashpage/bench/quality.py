@@ -5,7 +5,8 @@ SmolLM2 from the default GGUF in float32 against each mode (FP8 KV cache, INT8 K
 4-bit weights kept as stored with bfloat16 activations at their products, the whole model in bfloat16, and what
 dtype "auto" picks on this CPU): perplexity
 over --tokens tokens of CPython's own documentation (`pydoc_data.topics`, in --window-token windows, every token
-scored through the cache as decode reads it), and how many of the first 32 greedy tokens of 8 prompts (64-token
+scored through the cache as decode reads it) and, with --code-tokens, over that many tokens of the standard
+library's own source (`CODE_MODULES`), and how many of the first 32 greedy tokens of 8 prompts (64-token
 pieces of the same text) equal float32's.
 
 `--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
@@ -29,6 +30,17 @@ from pathlib import Path
 MODES = {"fp8 KV cache": {"kv_cache_dtype": "fp8"}, "int8 KV cache": {"kv_cache_dtype": "int8"},
          "fp8 weights": {"quantization": "fp8"}, "gguf 4-bit kept": {"quantization": "gguf"},
          "bfloat16": {"dtype": "bfloat16"}, "auto": {"dtype": "auto"}}
+
+
+# Standard-library modules whose source is the code text (any CPython 3.11+ has them).
+CODE_MODULES = ("argparse", "typing", "dataclasses", "inspect", "collections", "functools", "pathlib", "subprocess",
+                "threading")
+
+
+def code_text() -> str:
+    import importlib
+
+    return "".join(Path(importlib.import_module(m).__file__).read_text() for m in CODE_MODULES)
 
 
 def perplexity(llm, ids: list[int], window: int) -> float:
@@ -123,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashpage bench quality", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--code-tokens", type=int, default=0, help="also perplexity over this many tokens of source code")
     p.add_argument("--sparse", action="store_true", help="SparQ attention's cost instead of the quantized modes'")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="--sparse: window sizes, comma-separated")
     p.add_argument("--retrieval-tokens", type=int, default=2000, help="--sparse: the retrieval prompts' length")
@@ -144,26 +157,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     base = LLM(path, dtype="float32", device="cpu")
     ids = base.tokenizer.encode(text[:40 * args.tokens])[:args.tokens]
+    code = base.tokenizer.encode(code_text()[:40 * args.code_tokens])[:args.code_tokens]
     prompts = [{"prompt_token_ids": ids[i * 240:i * 240 + 64]} for i in range(8)]
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
     def continuations(llm):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
-    dense_ppl, dense = perplexity(base, ids, args.window), continuations(base)
+    def code_perplexity(llm):
+        return perplexity(llm, code, args.window) if code else math.nan
+
+    dense_ppl, dense_code, dense = perplexity(base, ids, args.window), code_perplexity(base), continuations(base)
     rows = []
-    print(f"{'mode':16s} {'perplexity':>10s} {'vs float32':>10s}  first 32 greedy tokens equal (8 prompts)")
-    print(f"{'float32':16s} {dense_ppl:10.3f} {'':>10s}")
+    print(f"{'mode':16s} {'perplexity':>10s} {'vs float32':>10s} {'code':>8s} {'vs float32':>10s}  "
+          f"first 32 greedy tokens equal (8 prompts)")
+    print(f"{'float32':16s} {dense_ppl:10.3f} {'':>10s} {dense_code:8.3f}")
     for name, setting in MODES.items():
         llm = LLM(path, device="cpu", **{"dtype": "float32", **setting})
-        ppl, got = perplexity(llm, ids, args.window), continuations(llm)
+        ppl, code_ppl, got = perplexity(llm, ids, args.window), code_perplexity(llm), continuations(llm)
         equal = [next((i for i, (a, b) in enumerate(zip(g, d)) if a != b), 32) for g, d in zip(got, dense)]
         rows.append({"mode": name, "setting": setting, "perplexity": ppl, "ratio": ppl / dense_ppl,
+                     **({"code_perplexity": code_ppl, "code_ratio": code_ppl / dense_code} if code else {}),
                      "greedy_tokens_equal": equal})
-        print(f"{name:16s} {ppl:10.3f} {ppl / dense_ppl - 1:+10.2%}  {equal}", flush=True)
+        print(f"{name:16s} {ppl:10.3f} {ppl / dense_ppl - 1:+10.2%} {code_ppl:8.3f} {code_ppl / dense_code - 1:+10.2%}"
+              f"  {equal}", flush=True)
+        del llm
     if args.out:
         args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "tokens": len(ids), "window": args.window,
-                                        "float32_perplexity": dense_ppl, "rows": rows}, indent=2))
+                                        "float32_perplexity": dense_ppl, **({"code_tokens": len(code),
+                                        "float32_code_perplexity": dense_code} if code else {}), "rows": rows},
+                                       indent=2))
     return 0
 
 

@@ -6,9 +6,17 @@ under tensor parallelism, where a rank holds part of a row). A pre-quantized che
 (config.json `quantization_config.quant_method: "fp8"`, tensors `weight` in e4m3 plus `weight_scale`, per tensor
 or per output feature) loads as it is; its static `input_scale`s are not used: activations are always scaled
 per token, at run time (`flashpage.kernels.fp8`).
+
+Quantizing as it loads, each RMSNorm's gain is first multiplied into the columns of the projections its output
+feeds (Q/K/V, gate/up), and the norm keeps a gain of ones: the same function, but the gain's large channels are
+quantized with the weights (row by row, where they get their share of each row's range) instead of widening every
+token's activations before they are quantized. On SmolLM2 this took the perplexity cost from +3.5% to +2.9% (FP8
+activations) and from +2.3% to +1.9% (weights alone), averaged over four texts (docs/kernel-notes.md).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -38,6 +46,41 @@ def place(dest: torch.Tensor, src: torch.Tensor, scale: torch.Tensor | None) -> 
         scale.copy_(s)
     else:
         dest.copy_(src)
+
+
+def fold_norm_gains(weights: Iterable[tuple[str, torch.Tensor]], norm_of: dict[str, str],
+                    device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each norm in `norm_of`'s values replaced by ones and its gain multiplied into
+    the columns of the projection weights `norm_of` maps to it (float32, on `device`, to be quantized there); a
+    projection that comes before its norm waits for it. ValueError for a projection already stored in FP8."""
+    norms = set(norm_of.values())
+    gains: dict[str, torch.Tensor] = {}
+    waiting: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in weights:
+        if name in norm_of and tensor.dtype == FP8:
+            raise ValueError(f"tensor {name!r} is stored in FP8 but the checkpoint's config.json declares no "
+                             f"quantization_config (quant_method 'fp8')")
+        if name in norms:
+            gains[name] = gain = tensor.to(device, torch.float32)
+            yield name, torch.ones_like(tensor)
+            for proj, t in waiting.pop(name, []):
+                yield proj, _times_columns(t, gain)
+        elif name in norm_of and norm_of[name] in gains:
+            yield name, _times_columns(tensor, gains[norm_of[name]])
+        elif name in norm_of:
+            waiting.setdefault(norm_of[name], []).append((name, tensor))
+        else:
+            yield name, tensor
+    for held in waiting.values():  # their norm never came: the missing norm is reported by name
+        yield from held
+
+
+def _times_columns(weight: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """weight * gain[None, :] in float32 on gain's device; a weight of the wrong width is left for the loader's
+    shape check to name."""
+    if weight.dim() != 2 or weight.shape[1] != gain.shape[0]:
+        return weight
+    return weight.to(gain.device, torch.float32) * gain
 
 
 def load_scale(dest: torch.Tensor, tensor: torch.Tensor, full_rows: int, start: int) -> None:

@@ -23,7 +23,7 @@ from flashpage.kernels import kernel_set
 from flashpage.kernels.fp8 import FP8
 from flashpage.kv import KVCache
 from flashpage.model.attention import AttentionMetadata, attention
-from flashpage.model.fp8 import UNUSED_TENSORS, load_scale, place
+from flashpage.model.fp8 import UNUSED_TENSORS, fold_norm_gains, load_scale, place
 from flashpage.model.rope import rope_cos_sin, rope_inv_freq
 from flashpage.parallel.group import TensorParallel, head_shard
 
@@ -281,6 +281,13 @@ class LlamaForCausalLM(nn.Module):
         logits = self.tp.gather_last_dim(logits)[:, :self.config.vocab_size]
         return logits.contiguous() if out is None else out.copy_(logits)
 
+    def _projection_norms(self) -> dict[str, str]:
+        """Each checkpoint weight that multiplies an RMSNorm's output -> that norm's weight."""
+        feeds = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+        return {f"layers.{i}.{proj}.weight": f"layers.{i}.{norm}.weight"
+                for i in range(len(self.layers)) for norm, projs in feeds.items() for proj in projs}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hand tensors named as in transformers to their parameters' loaders (any dtype/device; one at a time).
 
@@ -289,8 +296,10 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        weights = ((name.removeprefix("model."), tensor) for name, tensor in weights)
+        if self.layers and self.layers[0].mlp.down_proj.weight.dtype == FP8 and self.config.quantization != "fp8":
+            weights = fold_norm_gains(weights, self._projection_norms(), params["norm.weight"].device)
         for name, tensor in weights:
-            name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store a copy of the embedding
             if name.endswith(UNUSED_TENSORS):
