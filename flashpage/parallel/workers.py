@@ -17,6 +17,8 @@ import os
 import queue
 import signal
 import socket
+import sys
+import time
 import weakref
 
 import torch
@@ -32,6 +34,8 @@ log = logging.getLogger("flashpage.parallel")
 
 # A collective that some rank does not join within this long fails, so a hung worker ends the run.
 TIMEOUT = datetime.timedelta(minutes=5)
+# How long a failed collective waits to see which rank died before it says only that the collective failed.
+DEATH_WAIT_S = 2.0
 # NVLink multicast (NVLS) stays off, also in the processes started here (they inherit the environment).
 _NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -67,7 +71,11 @@ class Workers:
 
     def failure(self, error: BaseException) -> WorkerFailed:
         """The error to raise for a failed collective: which ranks died and how, or what failed."""
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
+        dead = self._dead()
+        deadline = time.monotonic() + DEATH_WAIT_S
+        while not dead and self.processes and time.monotonic() < deadline:
+            time.sleep(0.02)  # a killed rank's sockets close before its exit status can be read
+            dead = self._dead()
         if dead:
             what = ", ".join(f"rank {rank} exited with {_exit_status(code)}" for rank, code in dead)
             message = f"tensor-parallel worker failed ({what}); the engine has stopped"
@@ -75,6 +83,9 @@ class Workers:
             message = f"tensor-parallel collective failed: {error}; the engine has stopped"
         self.shutdown(healthy=False)
         return WorkerFailed(message)
+
+    def _dead(self) -> list[tuple[int, int]]:
+        return [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
 
     def shutdown(self, healthy: bool = True) -> None:
         """Stop the other ranks and release the process group. Every rank releases its CUDA graphs first (this one
@@ -217,5 +228,17 @@ def _worker_main(cfg: EngineConfig, rank: int, size: int, init_method: str, cuda
         run_worker(cfg, tp)
     except RuntimeError as e:  # the driver (or another rank) is gone
         log.error("tensor-parallel rank %d stops: %s", rank, e)
-        raise SystemExit(1) from None
+        _exit(1)
     dist.destroy_process_group()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End a worker rank without the interpreter's teardown, as a forked multiprocessing child ends: a spawned
+    one runs it, and there C++ objects of the process group left behind by `destroy_process_group` were destroyed
+    with a thread still joinable about once in 50 CPU (gloo) runs, `std::terminate` turning exit 0 into SIGABRT
+    after the rank's work was done. Its output is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
