@@ -118,6 +118,8 @@ def test_a_checkpoint_quantizes_as_it_loads(tiny_checkpoints):
         quantized.mlp.gate_up_proj.weight.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(quantized.mlp.gate_up_proj.weight_scale, scale)
     assert torch.all(quantized.post_attention_layernorm.weight == 1)
+    q, _ = quantize_rows(dense.self_attn.qkv_proj.weight * dense.input_layernorm.weight)  # (its norm loads first)
+    assert torch.equal(quantized.self_attn.qkv_proj.weight.view(torch.uint8), q.view(torch.uint8))
     model = fp8.engine.runner.model
     assert model.embed_tokens.weight.dtype == model.norm.weight.dtype == torch.float32  # not quantized
     assert 0 < rel_err(_logits(fp8, PROMPTS), _logits(full, PROMPTS)) < 0.1
@@ -161,6 +163,11 @@ def test_a_prequantized_checkpoint_loads_in_vllms_layout(tiny_checkpoints, tmp_p
     # against the same weights dequantized, in float32: only the activations' rounding differs
     ref = LLM(str(tmp_path / "ref"), device="cpu")
     assert 0 < rel_err(_logits(llm, PROMPTS), _logits(ref, PROMPTS)) < 0.1
+    # the same tensors without the config's word for them: quantization="fp8" would fold norms into FP8 weights
+    shutil.copytree(tmp_path / "m", tmp_path / "undeclared")
+    (tmp_path / "undeclared" / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ValueError, match="'layers.0.mlp.gate_proj.weight' is stored in FP8 but .*declares no"):
+        LLM(str(tmp_path / "undeclared"), device="cpu", quantization="fp8")
 
 
 def test_bad_quantization_settings_fail_before_loading(tiny_checkpoints, tmp_path):
