@@ -297,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         weights = ((name.removeprefix("model."), tensor) for name, tensor in weights)
+        # FP8 layers quantized here fold the norms' gains in first; a checkpoint stored in FP8 loads as stored
         if self.layers and self.layers[0].mlp.down_proj.weight.dtype == FP8 and self.config.quantization != "fp8":
             weights = fold_norm_gains(weights, self._projection_norms(), params["norm.weight"].device)
         for name, tensor in weights:
