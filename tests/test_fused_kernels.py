@@ -197,6 +197,14 @@ def test_sample_seeds_decide_rows_independently():
     assert rel_err(lp, torch.log_softmax(logits.double(), -1).gather(-1, a[:, None])[:, 0]) < 1e-6
 
 
+def test_sample_does_not_depend_on_how_rows_are_cut():
+    """Each token's race noise is keyed by (seed, token id), so one, two or four chunks draw the same tokens."""
+    logits = rand(3, 2500) * 2
+    args = sampling_args(3, vocab=2500, temperature=1.3, seed=int(torch.randint(1 << 30, ())))
+    draws = [tri.sample(logits, *args, filtered=False, chunks=n)[0] for n in (1, 2, 4)]
+    assert torch.equal(draws[0], draws[1]) and torch.equal(draws[0], draws[2])
+
+
 # The interpreter runs one program in 30-200 ms, so on CPU fewer draws and cases; on a GPU all five with 20k draws.
 CASES = [dict(temperature=0.7), dict(top_k=8, top_p=0.8, min_p=0.05, temperature=0.9)]
 if DEVICE == "cuda":

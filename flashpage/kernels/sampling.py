@@ -3,13 +3,14 @@
 Each row is cut into chunks, one program per (row, chunk), so that one long row (a batch of one, 128k logits)
 still spreads over the GPU. Launches, all without a host sync:
 1. `_chunk_stats`: each chunk's maximum (and where it first occurs), and its sums of exp(x - max) at temperature 1
-   and at T. Whoever needs the row's maximum or normalisers combines the chunks' (a few dozen numbers).
+   and at T, in one read (online, as flash attention's softmax). Whoever needs the row's maximum or normalisers combines the chunks' (a few dozen numbers).
 2. `_search_pass` x 8, only when some row uses top-k or top-p. No sort: the kept set is {e >= threshold} with
    e = exp((x - max) / T) in (0, 1], and the top-k and top-p thresholds are found by bisection over the bit
    patterns of float32 e (monotone for non-negative floats). Each pass tests 15 cut points, so eight passes find
    them exactly; each reads the previous pass's per-chunk counts and masses, and writes its own.
 3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
-   keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours). This samples the
+   keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours, nor on how it is
+   cut into chunks). This samples the
    kept, renormalised distribution. A row verifying a draft token races over the residual max(p - q, 0) instead
    (after `_kept_mass`, per chunk, has summed the kept e that normalise p).
 4. `_finish`: per row, the winning chunk (ties: lowest token id; temperature 0: the first maximum, as
@@ -56,28 +57,35 @@ def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.const
         inv_t = 1.0 / tl.where(t == 0.0, 1.0, t)
     start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
     offs = tl.arange(0, BLOCK)
+    # One read: each lane keeps its running maximum and its sums of exp(x - that maximum), rescaled when it grows
+    # (reading the chunk twice, for the maximum and then the sums, took twice as long at 512 rows of 128k).
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_i = tl.zeros((BLOCK,), tl.int32)
+    raw = tl.zeros((BLOCK,), tl.float32)
+    scaled = tl.zeros((BLOCK,), tl.float32)
     for i in range(start, end, BLOCK):
         x = tl.load(base + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
         take = x > lane_max
+        # one exponential a sum: of the smaller of x and the lane's maximum against the larger (a new maximum
+        # rescales the sum, which then gains exp(0) = 1); nothing to add for x = -inf (-inf - -inf is NaN)
+        d = tl.where(x == float("-inf"), float("-inf"), tl.where(take, lane_max - x, x - lane_max))
+        e = tl.exp(d)
+        raw = tl.where(take, raw * e + 1.0, raw + e)
+        if not GREEDY:
+            e = tl.exp(d * inv_t)
+            scaled = tl.where(take, scaled * e + 1.0, scaled + e)
         lane_i = tl.where(take, i + offs, lane_i)
         lane_max = tl.where(take, x, lane_max)
     m = tl.max(lane_max, 0)
     first = tl.min(tl.where(lane_max == m, lane_i, 2**31 - 1), 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # an empty chunk (past the vocabulary) sums to 0, not NaN
-    raw = tl.zeros((BLOCK,), tl.float32)
-    scaled = tl.zeros((BLOCK,), tl.float32)
-    for i in range(start, end, BLOCK):
-        x = tl.load(base + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
-        raw += tl.exp(x - m)
-        if not GREEDY:
-            scaled += tl.exp((x - m) * inv_t)
+    lane_ref = tl.where(lane_max == float("-inf"), 0.0, lane_max)
+    raw_sum = tl.sum(raw * tl.exp(lane_ref - m), 0)
     out = Stats + (row * S + c) * 4
     tl.store(out, tl.where(first == 2**31 - 1, float("-inf"), m))
     tl.store(out + 1, first.to(tl.float32))  # exact: token ids < 2 ** 24
-    tl.store(out + 2, tl.sum(raw, 0))
-    tl.store(out + 3, tl.sum(raw if GREEDY else scaled, 0))
+    tl.store(out + 2, raw_sum)
+    tl.store(out + 3, raw_sum if GREEDY else tl.sum(scaled * tl.exp((lane_ref - m) * inv_t), 0))
 
 
 @triton.jit
@@ -200,11 +208,13 @@ def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Ma
                 inv_kept = 1.0 / tl.sum(tl.load(Kept + row * S + tl.arange(0, S)), 0)
         seed = tl.load(Seed + row)
         start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
-        offs = tl.arange(0, BLOCK)
-        lane_win = tl.full((BLOCK,), float("-inf"), tl.float32)
-        lane_i = tl.zeros((BLOCK,), tl.int32) + start
+        # Tiles of [BLOCK / 4, 4] tokens: one Philox call gives four uniforms, token i's being output i % 4 of
+        # the call at offset i // 4 (a whole call per token made this kernel bound by its integer work).
+        quad = tl.arange(0, BLOCK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+        lane_win = tl.full((BLOCK // 4, 4), float("-inf"), tl.float32)
+        lane_i = tl.zeros((BLOCK // 4, 4), tl.int32) + start
         for i in range(start, end, BLOCK):
-            idx = i + offs
+            idx = i + quad
             x = tl.load(Logits + row * stride_l + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
             z = (x - best) * inv_t
             kept = (tl.exp(z) >= threshold) & (idx < end)
@@ -213,14 +223,17 @@ def _race(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, Ma
                 r = tl.where(kept, tl.exp(z) * inv_kept, 0.0) - q
                 kept = r > 0.0
                 z = tl.log(tl.where(kept, r, 1.0))
-            score = z - tl.log(-tl.log(tl.rand(seed, idx)))  # maximise log e_i - log E_i
+            u0, u1, u2, u3 = tl.rand4x(seed, i // 4 + tl.arange(0, BLOCK // 4))
+            u = tl.reshape(tl.join(tl.join(u0, u2), tl.join(u1, u3)), (BLOCK // 4, 4))  # [j, k]: u_k of call j
+            score = z - tl.log(-tl.log(u))  # maximise log e_i - log E_i
             score = tl.where(kept, score, float("-inf"))
             take = score > lane_win
             lane_i = tl.where(take, idx, lane_i)
             lane_win = tl.where(take, score, lane_win)
-        win = tl.max(lane_win, 0)
+        win = tl.max(tl.max(lane_win, 1), 0)
+        first = tl.min(tl.min(tl.where(lane_win == win, lane_i, 2**31 - 1), 1), 0)
         tl.store(Winners + (row * S + c) * 2, win)
-        tl.store(Winners + (row * S + c) * 2 + 1, tl.min(tl.where(lane_win == win, lane_i, 2**31 - 1), 0).to(tl.float32))
+        tl.store(Winners + (row * S + c) * 2 + 1, first.to(tl.float32))
 
 
 @triton.jit
@@ -252,7 +265,7 @@ def _finish(Logits, Temperature, TopK, TopP, MinP, Seed, Stats, Bounds, Counts, 
 
 
 def _block(vocab: int) -> int:
-    return min(triton.next_power_of_2(vocab), 1024)
+    return max(min(triton.next_power_of_2(vocab), 1024), 4)  # (at least one Philox call's four tokens: `_race`)
 
 
 def num_chunks(batch: int, vocab: int, device: torch.device, asked: int | None = None) -> int:
