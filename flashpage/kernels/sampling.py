@@ -3,15 +3,15 @@
 Each row is cut into chunks, one program per (row, chunk), so that one long row (a batch of one, 128k logits)
 still spreads over the GPU. Launches, all without a host sync:
 1. `_chunk_stats`: each chunk's maximum (and where it first occurs), and its sums of exp(x - max) at temperature 1
-   and at T, in one read (online, as flash attention's softmax). Whoever needs the row's maximum or normalisers combines the chunks' (a few dozen numbers).
+   and at T, in one read (online, as flash attention's softmax). Whoever needs the row's maximum or normalisers
+   combines the chunks' (a few dozen numbers).
 2. `_search_pass` x 8, only when some row uses top-k or top-p. No sort: the kept set is {e >= threshold} with
    e = exp((x - max) / T) in (0, 1], and the top-k and top-p thresholds are found by bisection over the bit
    patterns of float32 e (monotone for non-negative floats). Each pass tests 15 cut points, so eight passes find
    them exactly; each reads the previous pass's per-chunk counts and masses, and writes its own.
 3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
    keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours, nor on how it is
-   cut into chunks). This samples the
-   kept, renormalised distribution. A row verifying a draft token races over the residual max(p - q, 0) instead
+   cut into chunks). This samples the kept, renormalised distribution. A row verifying a draft token races over the residual max(p - q, 0) instead
    (after `_kept_mass`, per chunk, has summed the kept e that normalise p).
 4. `_finish`: per row, the winning chunk (ties: lowest token id; temperature 0: the first maximum, as
    torch.argmax) and the chosen token's log-probability under softmax(logits); a draft token kept with
@@ -57,8 +57,8 @@ def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.const
         inv_t = 1.0 / tl.where(t == 0.0, 1.0, t)
     start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
     offs = tl.arange(0, BLOCK)
-    # One read: each lane keeps its running maximum and its sums of exp(x - that maximum), rescaled when it grows
-    # (reading the chunk twice, for the maximum and then the sums, took twice as long at 512 rows of 128k).
+    # One read, not two (the maximum, then the sums): each lane keeps its running maximum and its sums of
+    # exp(x - that maximum), rescaled when it grows.
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_i = tl.zeros((BLOCK,), tl.int32)
     raw = tl.zeros((BLOCK,), tl.float32)
