@@ -11,8 +11,8 @@ still spreads over the GPU. Launches, all without a host sync:
    them exactly; each reads the previous pass's per-chunk counts and masses, and writes its own.
 3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
    keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours, nor on how it is
-   cut into chunks). This samples the kept, renormalised distribution. A row verifying a draft token races over the residual max(p - q, 0) instead
-   (after `_kept_mass`, per chunk, has summed the kept e that normalise p).
+   cut into chunks). This samples the kept, renormalised distribution. A row verifying a draft token races over
+   the residual max(p - q, 0) instead (after `_kept_mass`, per chunk, has summed the kept e that normalise p).
 4. `_finish`: per row, the winning chunk (ties: lowest token id; temperature 0: the first maximum, as
    torch.argmax) and the chosen token's log-probability under softmax(logits); a draft token kept with
    probability min(1, p / q) replaces the winner.
