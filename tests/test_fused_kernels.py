@@ -228,6 +228,27 @@ def test_sample_matches_the_filtered_distribution(kw):
     assert ((got[kept] - expected) ** 2 / expected).sum().item() <= chi2_limit(int(kept.sum()) - 1)
 
 
+@pytest.mark.parametrize("vocab,chunks,lift,kw", [(300, None, 2, dict(top_k=7)), (300, None, 2, dict(top_p=0.12)),
+                                                  (300, None, 20, dict(top_k=7)),  # the cluster's e < 2^-24
+                                                  (2500, 2, 2, dict(top_k=40, top_p=0.075, temperature=0.5))])
+def test_sample_keeps_exactly_the_filtered_tokens(vocab, chunks, lift, kw):
+    """Three logits `lift` above a cluster of logits a hair apart, where the kept set ends: the thresholds' search
+    must resolve e = exp((x - max) / T) to its last bits, and count what lies above its bracket. Which tokens
+    the kernel keeps, read exactly: a draft token proposed with q = 0 is accepted (min(1, p / q)) exactly when its
+    p > 0. One row per candidate (the likeliest few dozen and some others), against the sorted reference."""
+    row = 5 + torch.randn(vocab, device=DEVICE) * 0.01
+    row[torch.randperm(vocab, device=DEVICE)[:3]] += lift
+    order = row.argsort(descending=True)
+    candidates = torch.cat([order[:64], order[64:][torch.randperm(vocab - 64, device=DEVICE)[:16]]])
+    rows = len(candidates)
+    args = sampling_args(rows, vocab=vocab, seed=int(torch.randint(1 << 30, ())), **kw)
+    want = ref.filtered_probs(row[None], *(a[:1] for a in args[:4]))[0][candidates] > 0
+    got = tri.sample(row.expand(rows, vocab).contiguous(), *args, chunks=chunks, draft_tokens=candidates,
+                     draft_probs=torch.zeros(rows, vocab, device=DEVICE))[0]
+    assert 6 < want.sum() < 60
+    assert torch.equal(got == candidates, want)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tensor-core products on a model of real shape need a GPU")
 def test_decode_linear_keeps_bf16_logits_as_close_to_float32_as_cublas():
     """llama-3.2-1b shapes, random weights: decode-sized batches (1-16 rows, so the fused decode linear) through the

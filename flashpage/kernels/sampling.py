@@ -5,10 +5,14 @@ still spreads over the GPU. Launches, all without a host sync:
 1. `_chunk_stats`: each chunk's maximum (and where it first occurs), and its sums of exp(x - max) at temperature 1
    and at T, in one read (online, as flash attention's softmax). Whoever needs the row's maximum or normalisers
    combines the chunks' (a few dozen numbers).
-2. `_search_pass` x 8, only when some row uses top-k or top-p. No sort: the kept set is {e >= threshold} with
-   e = exp((x - max) / T) in (0, 1], and the top-k and top-p thresholds are found by bisection over the bit
-   patterns of float32 e (monotone for non-negative floats). Each pass tests 15 cut points, so eight passes find
-   them exactly; each reads the previous pass's per-chunk counts and masses, and writes its own.
+2. `_search_pass` x 9, only when some row uses top-k or top-p (rows that do not skip it). No sort: the kept set is
+   {e >= threshold} with e = exp((x - max) / T) in (0, 1], and the top-k and top-p thresholds are found by
+   bisection over the bit patterns of float32 e (monotone for non-negative floats): each pass counts (and for
+   top-p sums) the e at 16 cut points of the filter's bracket and narrows it to one sixteenth; each reads the
+   previous pass's per-chunk results and writes its own. A bracket holding at most one e is settled: later
+   passes skip it. Reading the whole row every pass made the search cost eight passes over the logits, so once
+   a bracket holds at most 2,048 e (after pass 0 or 1, as a rule) that pass also copies the logits inside it
+   aside (and tallies those above it), and later passes read only the copies.
 3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
    keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours, nor on how it is
    cut into chunks). This samples the kept, renormalised distribution. A row verifying a draft token races over
@@ -28,8 +32,10 @@ import triton.language as tl
 from flashpage.kernels.device import sm_count
 
 _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
+_LOW_BITS = tl.constexpr(0x33800000)  # float32 2^-24
+_GATHER = tl.constexpr(2048)  # a bracket of at most this many e is copied aside (per row, filter and chunk)
 _CUTS = tl.constexpr(16)  # cut points per search pass (cut 0 is the current lower bound)
-_SEARCH_PASSES = tl.constexpr(8)  # 16 ** 8 > 2 ** 30 + 1: the bit patterns of [0, 1]
+_SEARCH_PASSES = tl.constexpr(9)  # after pass 0, 16 ** 8 > 0x33800000: its widest bracket, [0, 2^-24)
 
 
 @triton.jit
@@ -89,35 +95,136 @@ def _chunk_stats(Logits, Temperature, Stats, stride_l, vocab, chunk, S: tl.const
 
 
 @triton.jit
-def _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, S: tl.constexpr):
-    """The search bounds after pass `it` - 1: [lo, hi) for the top-k and the top-p threshold bits. Every program
-    derives them alike from the previous pass's per-chunk results (a program of pass 0 starts them)."""
+def _cut_points(lo, hi, it):
+    """The pass's 16 cut points in [lo, hi), as float32 bit patterns. Pass 0 spaces cuts 1-15 evenly over the bits
+    of [2^-24, 1] (e below 2^-24 share the lowest bracket), where thresholds lie: even over all of [0, 1] they
+    would be 2^8 apart and leave brackets too full to gather. Later passes cut their bracket evenly."""
     cut = tl.arange(0, _CUTS)
-    k_lo = tl.full((), 0, tl.int32)
-    k_hi = tl.full((), _ONE_BITS + 1, tl.int32)
-    p_lo = tl.full((), 0, tl.int32)
-    p_hi = tl.full((), _ONE_BITS + 1, tl.int32)
-    if it > 0:
-        prev = Bounds + (((it - 1) % 2) * tl.num_programs(0) + row) * 4
-        k_lo, k_hi, p_lo, p_hi = tl.load(prev), tl.load(prev + 1), tl.load(prev + 2), tl.load(prev + 3)
-        k_cuts = k_lo + ((k_hi - k_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)
-        p_cuts = p_lo + ((p_hi - p_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)
-        part = (((it - 1) % 2) * tl.num_programs(0) + row) * S * _CUTS + tl.arange(0, S)[:, None] * _CUTS + cut[None, :]
-        count = tl.sum(tl.load(Counts + part), 0)
-        mass = tl.sum(tl.load(Mass + part), 0)
-        # The conditions hold for a prefix of the cuts: lo moves to the last passing cut, hi to the next one.
-        k_last = tl.max(tl.where(count >= top_k, cut, 0), 0)
-        p_last = tl.max(tl.where(mass >= top_p * total, cut, 0), 0)
-        k_hi = tl.where(k_last == _CUTS - 1, k_hi, tl.sum(tl.where(cut == k_last + 1, k_cuts, 0), 0))
-        p_hi = tl.where(p_last == _CUTS - 1, p_hi, tl.sum(tl.where(cut == p_last + 1, p_cuts, 0), 0))
-        k_lo = tl.sum(tl.where(cut == k_last, k_cuts, 0), 0)
-        p_lo = tl.sum(tl.where(cut == p_last, p_cuts, 0), 0)
-    return k_lo, k_hi, p_lo, p_hi
+    even = lo + ((hi - lo).to(tl.int64) * cut // _CUTS).to(tl.int32)
+    first = tl.where(cut == 0, 0, _LOW_BITS + ((_ONE_BITS + 1 - _LOW_BITS) * (cut - 1).to(tl.int64) // (_CUTS - 1)))
+    return tl.where(it == 0, first.to(tl.int32), even)
 
 
 @triton.jit
-def _search_pass(Logits, Temperature, TopK, TopP, Stats, Bounds, Counts, Mass, stride_l, vocab, chunk, it,
-                 S: tl.constexpr, BLOCK: tl.constexpr):
+def _narrow(lo, hi, n, count, passing, it):
+    """One bracket after pass `it` - 1 counted, per cut c, count[c] = #{e >= cut c} (cut 0 is lo) and tested the
+    cuts (`passing` holds for a prefix of them): lo moves to the last passing cut, hi to the next one, and n
+    becomes the count between them."""
+    cut = tl.arange(0, _CUTS)
+    cuts = _cut_points(lo, hi, it - 1)
+    last = tl.max(tl.where(passing, cut, 0), 0)
+    at_hi = tl.where(it == 1, 0, tl.sum(tl.where(cut == 0, count, 0), 0) - n)  # #{e >= hi}: none above 1.0
+    beyond = tl.where(last == _CUTS - 1, at_hi, tl.sum(tl.where(cut == last + 1, count, 0), 0))
+    hi = tl.where(last == _CUTS - 1, hi, tl.sum(tl.where(cut == last + 1, cuts, 0), 0))
+    return tl.sum(tl.where(cut == last, cuts, 0), 0), hi, tl.sum(tl.where(cut == last, count, 0), 0) - beyond
+
+
+@triton.jit
+def _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, vocab, S: tl.constexpr):
+    """The search state after pass `it` - 1, per filter: its bracket [lo, hi) of threshold bits, n, how many of the
+    row's e fall in it, and `gathered`, the pass that copied that bracket's logits aside (-1: none yet). A bracket
+    of at most one is settled: {e >= lo} is then exactly the kept set, and later passes leave it be (an unused
+    filter starts settled at lo = 0). Every program derives the state alike from the previous pass's per-chunk
+    results (a program of pass 0 starts it)."""
+    cut = tl.arange(0, _CUTS)
+    k_lo = tl.full((), 0, tl.int32)
+    k_hi = tl.full((), _ONE_BITS + 1, tl.int32)
+    k_n = tl.where(top_k < vocab, 2**30, 0).to(tl.int32)
+    k_gathered = tl.full((), -1, tl.int32)
+    p_lo = tl.full((), 0, tl.int32)
+    p_hi = tl.full((), _ONE_BITS + 1, tl.int32)
+    p_n = tl.where(top_p < 1.0, 2**30, 0).to(tl.int32)
+    p_gathered = tl.full((), -1, tl.int32)
+    if it > 0:
+        prev = Bounds + (((it - 1) % 2) * tl.num_programs(0) + row) * 8
+        k_lo, k_hi, k_n, k_gathered = tl.load(prev), tl.load(prev + 1), tl.load(prev + 2), tl.load(prev + 3)
+        p_lo, p_hi, p_n, p_gathered = tl.load(prev + 4), tl.load(prev + 5), tl.load(prev + 6), tl.load(prev + 7)
+        chunks = (((it - 1) % 2) * tl.num_programs(0) + row) * S + tl.arange(0, S)[:, None]
+        if k_n > 1:  # searched in pass it - 1
+            count = tl.sum(tl.load(Counts + chunks * 2 * _CUTS + cut[None, :]), 0)
+            k_lo, k_hi, k_n = _narrow(k_lo, k_hi, k_n, count, count >= top_k, it)
+            k_gathered = tl.where((k_gathered < 0) & (k_n <= _GATHER), it, k_gathered)
+        if p_n > 1:
+            count = tl.sum(tl.load(Counts + chunks * 2 * _CUTS + _CUTS + cut[None, :]), 0)
+            mass = tl.sum(tl.load(Mass + chunks * _CUTS + cut[None, :]), 0)
+            p_lo, p_hi, p_n = _narrow(p_lo, p_hi, p_n, count, mass >= top_p * total, it)
+            p_gathered = tl.where((p_gathered < 0) & (p_n <= _GATHER), it, p_gathered)
+    return k_lo, k_hi, k_n, k_gathered, p_lo, p_hi, p_n, p_gathered
+
+
+@triton.jit
+def _tally(Src, start, end, best, inv_t, cuts, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per cut, how many e = exp((x - best) * inv_t) of Src[start:end] reach it (with MASS also their sum)."""
+    offs = tl.arange(0, 4)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [4, BLOCK] a tile: more loads in flight
+    count = tl.zeros((_CUTS, BLOCK), tl.int32)  # reduced once, not per tile
+    mass = tl.zeros((_CUTS, BLOCK), tl.float32)
+    for i in range(start, end, 4 * BLOCK):
+        x = tl.load(Src + i + offs, mask=i + offs < end, other=float("-inf"))
+        e = tl.exp((x.to(tl.float32) - best) * inv_t)[None, :, :]
+        reach = e >= cuts[:, None, None]
+        count += tl.sum(reach.to(tl.int32), 1)
+        if MASS:
+            mass += tl.sum(tl.where(reach, e, 0.0), 1)
+    return tl.sum(count, 1), tl.sum(mass, 1)
+
+
+@triton.jit
+def _gather(Src, start, end, best, inv_t, lo, hi, Out, Filled, Above, AboveMass, BLOCK: tl.constexpr):
+    """Copies the x of Src[start:end] whose e lies in [lo, hi) to Out, in order, and writes how many there are, and
+    the count and the sum of the e at or above hi."""
+    lo, hi = lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+    offs = tl.arange(0, BLOCK)
+    filled = tl.full((), 0, tl.int32)
+    above = tl.zeros((BLOCK,), tl.int32)
+    above_mass = tl.zeros((BLOCK,), tl.float32)
+    for i in range(start, end, BLOCK):
+        x = tl.load(Src + i + offs, mask=i + offs < end, other=float("-inf"))
+        e = tl.exp((x.to(tl.float32) - best) * inv_t)
+        inside = ((e >= lo) & (e < hi)).to(tl.int32)
+        inside_count = tl.sum(inside, 0)
+        if inside_count > 0:  # (most tiles hold none: no scan for them)
+            tl.store(Out + filled + tl.cumsum(inside, 0) - 1, x, mask=inside != 0)
+            filled += inside_count
+        above += (e >= hi).to(tl.int32)
+        above_mass += tl.where(e >= hi, e, 0.0)
+    tl.store(Filled, filled)
+    tl.store(Above, tl.sum(above, 0))
+    tl.store(AboveMass, tl.sum(above_mass, 0))
+
+
+@triton.jit
+def _search_one(Logits, Gathered, Filled, Above, AboveMass, Counts, Mass, row, c, it, lo, hi, n, gathered, best, inv_t,
+                stride_l, vocab, chunk, WHICH: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
+    """One filter's share of a search pass in chunk c: per cut, how many e of the chunk reach it (and, for top-p,
+    their sum). Until its bracket is gathered it reads the chunk's logits; the pass that gathers (n <= _GATHER)
+    then copies the chunk's logits inside the bracket to its slot of Gathered and tallies the e above it; later
+    passes read those copies alone and add the tally."""
+    if n > 1:
+        slot = (WHICH * tl.num_programs(0) + row) * S + c
+        reads_copies = (gathered >= 0) & (gathered < it)
+        src = Logits + row * stride_l
+        start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
+        if reads_copies:
+            src = Gathered + slot * _GATHER
+            start, end = start * 0, tl.load(Filled + slot)
+        cuts = _cut_points(lo, hi, it).to(tl.float32, bitcast=True)
+        count, mass = _tally(src, start, end, best, inv_t, cuts, WHICH == 1, BLOCK)
+        if gathered == it:
+            _gather(src, start, end, best, inv_t, lo, hi, Gathered + slot * _GATHER, Filled + slot, Above + slot,
+                    AboveMass + slot, 4 * BLOCK)
+        if reads_copies:
+            count += tl.load(Above + slot)
+            mass += tl.load(AboveMass + slot)
+        cut = tl.arange(0, _CUTS)
+        out = ((it % 2) * tl.num_programs(0) + row) * S + c
+        tl.store(Counts + out * 2 * _CUTS + WHICH * _CUTS + cut, count)  # [top-k's, top-p's] per chunk
+        if WHICH == 1:
+            tl.store(Mass + out * _CUTS + cut, mass)
+
+
+@triton.jit
+def _search_pass(Logits, Temperature, TopK, TopP, Stats, Bounds, Counts, Mass, Gathered, Filled, Above, AboveMass,
+                 stride_l, vocab, chunk, it, S: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     t = tl.load(Temperature + row)
@@ -126,28 +233,22 @@ def _search_pass(Logits, Temperature, TopK, TopP, Stats, Bounds, Counts, Mass, s
     if (t != 0.0) & ((top_k < vocab) | (top_p < 1.0)):
         inv_t = 1.0 / t
         best, _, _, total = _row_summary(Stats, row, S, inv_t)
-        k_lo, k_hi, p_lo, p_hi = _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, S)
-        if c == 0:  # for the next pass (the bounds of pass it - 1 are still being read: two slots)
-            out = Bounds + ((it % 2) * tl.num_programs(0) + row) * 4
+        k_lo, k_hi, k_n, k_gathered, p_lo, p_hi, p_n, p_gathered = _bounds(Bounds, Counts, Mass, row, it, top_k, top_p,
+                                                                           total, vocab, S)
+        if c == 0:  # for the next pass (the state after pass it - 1 is still being read: two slots)
+            out = Bounds + ((it % 2) * tl.num_programs(0) + row) * 8
             tl.store(out, k_lo)
             tl.store(out + 1, k_hi)
-            tl.store(out + 2, p_lo)
-            tl.store(out + 3, p_hi)
-        cut = tl.arange(0, _CUTS)
-        k_t = (k_lo + ((k_hi - k_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)).to(tl.float32, bitcast=True)[:, None]
-        p_t = (p_lo + ((p_hi - p_lo).to(tl.int64) * cut // _CUTS).to(tl.int32)).to(tl.float32, bitcast=True)[:, None]
-        start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
-        offs = tl.arange(0, BLOCK)
-        count = tl.zeros((_CUTS, BLOCK), tl.int32)  # reduced once, not per tile
-        mass = tl.zeros((_CUTS, BLOCK), tl.float32)
-        for i in range(start, end, BLOCK):
-            x = tl.load(Logits + row * stride_l + i + offs, mask=i + offs < end, other=float("-inf")).to(tl.float32)
-            e = tl.exp((x - best) * inv_t)[None, :]
-            count += (e >= k_t).to(tl.int32)
-            mass += tl.where(e >= p_t, e, 0.0)
-        part = ((it % 2) * tl.num_programs(0) + row) * S * _CUTS + c * _CUTS + cut
-        tl.store(Counts + part, tl.sum(count, 1))
-        tl.store(Mass + part, tl.sum(mass, 1))
+            tl.store(out + 2, k_n)
+            tl.store(out + 3, k_gathered)
+            tl.store(out + 4, p_lo)
+            tl.store(out + 5, p_hi)
+            tl.store(out + 6, p_n)
+            tl.store(out + 7, p_gathered)
+        _search_one(Logits, Gathered, Filled, Above, AboveMass, Counts, Mass, row, c, it, k_lo, k_hi, k_n, k_gathered,
+                    best, inv_t, stride_l, vocab, chunk, 0, S, BLOCK)
+        _search_one(Logits, Gathered, Filled, Above, AboveMass, Counts, Mass, row, c, it, p_lo, p_hi, p_n, p_gathered,
+                    best, inv_t, stride_l, vocab, chunk, 1, S, BLOCK)
 
 
 @triton.jit
@@ -163,7 +264,9 @@ def _threshold(Temperature, TopK, TopP, MinP, Stats, Bounds, Counts, Mass, row, 
     if SEARCHED:
         if (top_k < vocab) | (top_p < 1.0):
             # (names, not `_`: the GPU compiler gives a name one type across both sides of a runtime if)
-            k_lo, k_hi, p_lo, p_hi = _bounds(Bounds, Counts, Mass, row, _SEARCH_PASSES, top_k, top_p, total, S)
+            k_lo, k_hi, k_n, k_gathered, p_lo, p_hi, p_n, p_gathered = _bounds(Bounds, Counts, Mass, row,
+                                                                               _SEARCH_PASSES, top_k, top_p, total,
+                                                                               vocab, S)
             threshold = tl.maximum(threshold, tl.maximum(k_lo.to(tl.float32, bitcast=True),
                                                          p_lo.to(tl.float32, bitcast=True)))
     return best, inv_t, tl.minimum(threshold, 1.0)  # the most likely token always survives
@@ -326,12 +429,16 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, *, filtered: bool = 
     _chunk_stats[grid](logits, temperature, stats, logits.stride(0), vocab, chunk, S=chunks, BLOCK=block, GREEDY=False)
     bounds = counts = mass = stats  # unread without a search
     if filtered:
-        bounds = torch.empty((2, batch, 4), dtype=torch.int32, device=dev)
-        counts = torch.empty((2, batch, chunks, 16), dtype=torch.int32, device=dev)
+        bounds = torch.empty((2, batch, 8), dtype=torch.int32, device=dev)
+        counts = torch.empty((2, batch, chunks, 2, 16), dtype=torch.int32, device=dev)
         mass = torch.empty((2, batch, chunks, 16), dtype=torch.float32, device=dev)
+        gathered = torch.empty((2, batch, chunks, _GATHER.value), dtype=logits.dtype, device=dev)  # [top-k's, top-p's]
+        filled = torch.empty((2, batch, chunks), dtype=torch.int32, device=dev)
+        above = torch.empty((2, batch, chunks), dtype=torch.int32, device=dev)
+        above_mass = torch.empty((2, batch, chunks), dtype=torch.float32, device=dev)
         for it in range(_SEARCH_PASSES):
-            _search_pass[grid](logits, temperature, top_k, top_p, stats, bounds, counts, mass, logits.stride(0), vocab,
-                               chunk, it, S=chunks, BLOCK=min(block, 256))
+            _search_pass[grid](logits, temperature, top_k, top_p, stats, bounds, counts, mass, gathered, filled, above,
+                               above_mass, logits.stride(0), vocab, chunk, it, S=chunks, BLOCK=256, num_warps=8)
     draft = draft_tokens is not None
     kept = torch.empty((batch, chunks), dtype=torch.float32, device=dev) if draft else stats
     if draft:
