@@ -32,7 +32,7 @@ def cases(tokens: int):
     rnd = lambda *s, dtype=bf: torch.randn(*s, device=dev).to(dtype)  # noqa: E731
     blocks = tokens // 16 + 8
     slots = torch.randperm(blocks * 16, device=dev)[:tokens]
-    sample_rows = min(tokens, 256)
+    sample_rows = min(tokens, 512)  # (the engine's default max_num_seqs)
     yield ("rms_norm", tri.rms_norm, ref.rms_norm, 2 * tokens * HIDDEN * 2,
            lambda: (rnd(tokens, HIDDEN), rnd(HIDDEN), 1e-5))
     yield ("linear o_proj + residual", with_residual(tri.linear), with_residual(ref.linear), HIDDEN * HIDDEN * 2,
