@@ -5,14 +5,14 @@ still spreads over the GPU. Launches, all without a host sync:
 1. `_chunk_stats`: each chunk's maximum (and where it first occurs), and its sums of exp(x - max) at temperature 1
    and at T, in one read (online, as flash attention's softmax). Whoever needs the row's maximum or normalisers
    combines the chunks' (a few dozen numbers).
-2. `_search_pass` x 9, only when some row uses top-k or top-p (rows that do not skip it). No sort: the kept set is
+2. `_search_pass` x 10, only when some row uses top-k or top-p (rows that do not skip it). No sort: the kept set is
    {e >= threshold} with e = exp((x - max) / T) in (0, 1], and the top-k and top-p thresholds are found by
    bisection over the bit patterns of float32 e (monotone for non-negative floats): each pass counts (and for
    top-p sums) the e at 16 cut points of the filter's bracket and narrows it to one sixteenth; each reads the
    previous pass's per-chunk results and writes its own. A bracket holding at most one e is settled: later
    passes skip it. Reading the whole row every pass made the search cost eight passes over the logits, so once
-   a bracket holds at most 2,048 e (after pass 0 or 1, as a rule) that pass also copies the logits inside it
-   aside (and tallies those above it), and later passes read only the copies.
+   a bracket holds at most 2,048 e (after pass 0 or 1, as a rule) the next pass copies the logits inside it aside
+   (and tallies those above it) instead, and later passes read only the copies.
 3. `_race`: per chunk, the exponential race: argmax over kept tokens of e_i / E_i with E_i ~ Exp(1) from Philox
    keyed by the row's seed and the token id (so a seeded row does not depend on its neighbours, nor on how it is
    cut into chunks). This samples the kept, renormalised distribution. A row verifying a draft token races over
@@ -35,7 +35,8 @@ _ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0
 _LOW_BITS = tl.constexpr(0x33800000)  # float32 2^-24
 _GATHER = tl.constexpr(2048)  # a bracket of at most this many e is copied aside (per row, filter and chunk)
 _CUTS = tl.constexpr(16)  # cut points per search pass (cut 0 is the current lower bound)
-_SEARCH_PASSES = tl.constexpr(9)  # after pass 0, 16 ** 8 > 0x33800000: its widest bracket, [0, 2^-24)
+# pass 0, eight that count after it (16 ** 8 > 0x33800000: pass 0's widest bracket, [0, 2^-24)) and one that gathers
+_SEARCH_PASSES = tl.constexpr(10)
 
 
 @triton.jit
@@ -140,11 +141,11 @@ def _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, vocab, S: tl.con
         k_lo, k_hi, k_n, k_gathered = tl.load(prev), tl.load(prev + 1), tl.load(prev + 2), tl.load(prev + 3)
         p_lo, p_hi, p_n, p_gathered = tl.load(prev + 4), tl.load(prev + 5), tl.load(prev + 6), tl.load(prev + 7)
         chunks = (((it - 1) % 2) * tl.num_programs(0) + row) * S + tl.arange(0, S)[:, None]
-        if k_n > 1:  # searched in pass it - 1
+        if (k_n > 1) & (k_gathered != it - 1):  # counted in pass it - 1 (a gathering pass only copies)
             count = tl.sum(tl.load(Counts + chunks * 2 * _CUTS + cut[None, :]), 0)
             k_lo, k_hi, k_n = _narrow(k_lo, k_hi, k_n, count, count >= top_k, it)
             k_gathered = tl.where((k_gathered < 0) & (k_n <= _GATHER), it, k_gathered)
-        if p_n > 1:
+        if (p_n > 1) & (p_gathered != it - 1):
             count = tl.sum(tl.load(Counts + chunks * 2 * _CUTS + _CUTS + cut[None, :]), 0)
             mass = tl.sum(tl.load(Mass + chunks * _CUTS + cut[None, :]), 0)
             p_lo, p_hi, p_n = _narrow(p_lo, p_hi, p_n, count, mass >= top_p * total, it)
@@ -196,30 +197,31 @@ def _gather(Src, start, end, best, inv_t, lo, hi, Out, Filled, Above, AboveMass,
 def _search_one(Logits, Gathered, Filled, Above, AboveMass, Counts, Mass, row, c, it, lo, hi, n, gathered, best, inv_t,
                 stride_l, vocab, chunk, WHICH: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr):
     """One filter's share of a search pass in chunk c: per cut, how many e of the chunk reach it (and, for top-p,
-    their sum). Until its bracket is gathered it reads the chunk's logits; the pass that gathers (n <= _GATHER)
-    then copies the chunk's logits inside the bracket to its slot of Gathered and tallies the e above it; later
-    passes read those copies alone and add the tally."""
+    their sum). Until its bracket is gathered it reads the chunk's logits. The pass that gathers (the first whose
+    bracket holds at most _GATHER) only copies the chunk's logits inside the bracket to its slot of Gathered, in
+    order, and tallies the e above it (counting too made its loop as slow as two); later passes count over those
+    copies alone and add the tally."""
     if n > 1:
         slot = (WHICH * tl.num_programs(0) + row) * S + c
-        reads_copies = (gathered >= 0) & (gathered < it)
         src = Logits + row * stride_l
         start, end = c * chunk, tl.minimum(c * chunk + chunk, vocab)
-        if reads_copies:
-            src = Gathered + slot * _GATHER
-            start, end = start * 0, tl.load(Filled + slot)
-        cuts = _cut_points(lo, hi, it).to(tl.float32, bitcast=True)
-        count, mass = _tally(src, start, end, best, inv_t, cuts, WHICH == 1, BLOCK)
         if gathered == it:
             _gather(src, start, end, best, inv_t, lo, hi, Gathered + slot * _GATHER, Filled + slot, Above + slot,
                     AboveMass + slot, 4 * BLOCK)
-        if reads_copies:
-            count += tl.load(Above + slot)
-            mass += tl.load(AboveMass + slot)
-        cut = tl.arange(0, _CUTS)
-        out = ((it % 2) * tl.num_programs(0) + row) * S + c
-        tl.store(Counts + out * 2 * _CUTS + WHICH * _CUTS + cut, count)  # [top-k's, top-p's] per chunk
-        if WHICH == 1:
-            tl.store(Mass + out * _CUTS + cut, mass)
+        else:
+            if gathered >= 0:
+                src = Gathered + slot * _GATHER
+                start, end = start * 0, tl.load(Filled + slot)
+            cuts = _cut_points(lo, hi, it).to(tl.float32, bitcast=True)
+            count, mass = _tally(src, start, end, best, inv_t, cuts, WHICH == 1, BLOCK)
+            if gathered >= 0:
+                count += tl.load(Above + slot)
+                mass += tl.load(AboveMass + slot)
+            cut = tl.arange(0, _CUTS)
+            out = ((it % 2) * tl.num_programs(0) + row) * S + c
+            tl.store(Counts + out * 2 * _CUTS + WHICH * _CUTS + cut, count)  # [top-k's, top-p's] per chunk
+            if WHICH == 1:
+                tl.store(Mass + out * _CUTS + cut, mass)
 
 
 @triton.jit
