@@ -123,7 +123,7 @@ def _narrow(lo, hi, n, count, passing, it):
 @triton.jit
 def _bounds(Bounds, Counts, Mass, row, it, top_k, top_p, total, vocab, S: tl.constexpr):
     """The search state after pass `it` - 1, per filter: its bracket [lo, hi) of threshold bits, n, how many of the
-    row's e fall in it, and `gathered`, the pass that copied that bracket's logits aside (-1: none yet). A bracket
+    row's e fall in it, and `gathered`, the pass that copies the bracket's logits aside (-1: none yet). A bracket
     of at most one is settled: {e >= lo} is then exactly the kept set, and later passes leave it be (an unused
     filter starts settled at lo = 0). Every program derives the state alike from the previous pass's per-chunk
     results (a program of pass 0 starts it)."""
