@@ -79,6 +79,8 @@ def main() -> None:
             tri.reshape_and_cache(k[:3], v[:3], quantized, torch.tensor([5, -1, 70]))
             tri.rope_and_cache(q, k, rand(40, 128, dtype=dtype), rand(40, 128, dtype=dtype), v, quantized,
                                torch.arange(40))
+        rotated = KVCache(fp8.k, fp8.v, ones, ones, keys_rotated=True)  # FP8 keys stored rotated (and the queries)
+        tri.rope_and_cache(q, k, rand(40, 128, dtype=dtype), rand(40, 128, dtype=dtype), v, rotated, torch.arange(40))
         tree = torch.tensor([1, 3, 5, 11, 7, 1, 3, 5, 9], dtype=torch.int64)  # token trees: prefill and decode tiles
         tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), table,
                             torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5, query_mask=tree)

@@ -131,6 +131,44 @@ def test_cache_writes_quantize_as_the_reference(kind):
             assert torch.allclose(got.k_scale, want.k_scale) and torch.allclose(got.v_scale, want.v_scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hq,hkv,dim", [(9, 3, 64), (8, 8, 80), (4, 1, 128), (2, 1, 32)])
+def test_fp8_cache_stores_rotated_keys(hq, hkv, dim, dtype):
+    """An FP8 cache with keys_rotated: the fused rotary + cache write (and the CPU kernel set's) multiply queries
+    and keys by the orthogonal key_rotation after the rotary embedding, so every score q.k is the unrotated one;
+    the cache holds the rotated keys, rounded to e4m3 by their head's scale; values go in as they are."""
+    from flashpage.kernels import cpu
+
+    rotation = ref.key_rotation(dim)
+    assert torch.allclose(rotation @ rotation, torch.eye(dim, dtype=torch.float64), atol=1e-12)
+    tokens, page = 7, 8
+    q, k, v = rand(tokens, hq, dim, dtype=dtype), rand(tokens, hkv, dim, dtype=dtype) * 4, rand(tokens, hkv, dim, dtype=dtype)
+    angles = torch.rand(tokens, dim // 2, device=DEVICE) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    slots = torch.tensor([3, 39, -1, 8, 0, 20, 21], device=DEVICE)
+    keep = slots >= 0
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # (bf16: one more rounding; the interpreter's truncates)
+
+    def scores(q, k):  # q.k over |q| |k| (scores near 0 have no relative precision)
+        q, k = q.double(), k.double()
+        return torch.einsum("thd,tgd->thg", q, k) / (q.norm(dim=-1)[:, :, None] * k.norm(dim=-1)[:, None, :])
+
+    for ops, device in ((tri, DEVICE), (cpu, "cpu")):
+        q, k, v, cos, sin, slots = (x.to(device) for x in (q, k, v, cos, sin, slots))
+        plain_q, plain_k = ops.rope_and_cache(q.clone(), k.clone(), cos, sin)  # without a cache: not rotated
+        cache = KVCache(*(torch.full((5, page, hkv, dim), float("nan"), device=device).to(FP8) for _ in range(2)),
+                        *(torch.rand(hkv, device=device) + 0.5 for _ in range(2)), keys_rotated=True)
+        got_q, got_k = ops.rope_and_cache(q.clone(), k.clone(), cos, sin, v, cache, slots)
+        assert rel_err(got_q, ref.rotate_keys(plain_q)) < tol and rel_err(got_k, ref.rotate_keys(plain_k)) < tol
+        assert (scores(got_q, got_k) - scores(plain_q, plain_k)).abs().max() < 2 * tol
+        want = KVCache(*(torch.zeros_like(c) for c in (cache.k, cache.v)), cache.k_scale, cache.v_scale)
+        ref.reshape_and_cache(got_k, v, want, slots)
+        written = slots[keep.to(device)]
+        for a, b in ((cache.k, want.k), (cache.v, want.v)):
+            a, b = a.view(-1, hkv, dim)[written].float(), b.view(-1, hkv, dim)[written].float()
+            assert interpreter_e4m3_agrees(a, b).all()
+
+
 @pytest.mark.parametrize("kind", DTYPES)
 def test_quantized_cache_holds_more_tokens_and_serves_every_feature(kind, smollm_llm):
     """About four times the tokens of a float32 cache in the same memory (INT8: less its scales); batched with
@@ -188,6 +226,8 @@ def test_fp8_scales_from_the_checkpoint(tiny_checkpoints, tmp_path):
     caches = llm.engine.runner.kv_caches
     assert torch.equal(caches[0].k_scale, torch.full((hkv,), 0.25)) and torch.equal(caches[0].v_scale, per_head)
     assert torch.equal(caches[1].k_scale, torch.ones(hkv))  # layers the checkpoint gives none: 1
+    # keys are stored rotated unless the checkpoint's scales were calibrated on them as they are
+    assert not caches[0].keys_rotated and caches[1].keys_rotated
     assert LLM(str(tmp_path / "m"), device="cpu").engine.runner.kv_caches[0].k_scale is None
     tensors["model.layers.0.self_attn.v_scale"] = torch.ones(hkv + 1)
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))

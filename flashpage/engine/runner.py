@@ -168,6 +168,8 @@ class ModelRunner:
             for cache, layer in zip(self.kv_caches, self.model.layers):
                 for kind, scale in layer.self_attn.kv_cache_scales.items():
                     (cache.k_scale if kind == "k" else cache.v_scale).copy_(scale)
+                    if kind == "k":  # calibrated on the keys as they are: store them so
+                        cache.keys_rotated = False
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)

@@ -32,14 +32,15 @@ def _reshape_and_cache_kernel(K, V, KCache, VCache, KScale, VScale, SlotMapping,
 
 @triton.jit
 def cache_scale(Cache, Scale, slot, h, HEADS, PAGE_SIZE: tl.constexpr, x1, x2):
-    """The scales [H, 1] by which heads [H, D] (given as two column halves x1, x2; or x twice) are stored at `slot`:
-    an INT8 cache's new ones (written to Scale [blocks, HEADS, PAGE_SIZE]), an FP8 cache's per-head ones; 1
-    otherwise."""
+    """The scales [R, 1] by which rows [R, D] (heads h [R, 1], given as two column halves x1, x2; or x twice) are
+    stored at `slot` (one, or one per row; -1: not stored): an INT8 cache's new ones (written to Scale [blocks,
+    HEADS, PAGE_SIZE]), an FP8 cache's per-head ones; 1 otherwise."""
     ty = Cache.dtype.element_ty
     if ty == tl.int8:
         largest = tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 1), tl.max(tl.abs(x2.to(tl.float32)), 1))[:, None]
         scale = tl.where(largest > 0, largest / 127.0, 1.0)
-        tl.store(Scale + ((slot // PAGE_SIZE) * HEADS + h) * PAGE_SIZE + slot % PAGE_SIZE, scale, mask=h < HEADS)
+        tl.store(Scale + ((slot // PAGE_SIZE) * HEADS + h) * PAGE_SIZE + slot % PAGE_SIZE, scale,
+                 mask=(h < HEADS) & (slot >= 0))
     elif ty == tl.float8e4nv:
         scale = tl.load(Scale + h, mask=h < HEADS, other=1.0)
     else:

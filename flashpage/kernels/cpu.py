@@ -203,5 +203,7 @@ def reshape_and_cache(k, v, kv_cache, slot_mapping) -> None:
 def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     q, k = reference.rotate_half_rope(q, cos, sin), reference.rotate_half_rope(k, cos, sin)
     if kv_cache is not None:
+        if kv_cache.keys_rotated:
+            q, k = reference.rotate_keys(q), reference.rotate_keys(k)
         reshape_and_cache(k, v, kv_cache, slot_mapping)
     return q, k

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -159,9 +161,30 @@ def rotate_half_rope(x, cos, sin):
     return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
 
 
+@functools.cache
+def key_rotation(head_dim: int) -> torch.Tensor:
+    """The orthogonal, symmetric [D, D] matrix an FP8 cache's keys and the queries are multiplied by after rotary
+    embedding (`KVCache.keys_rotated`): [[H, H], [H, -H]] / sqrt(2) with H block-diagonal over the rotate-half
+    layout's halves, its blocks normalised Hadamard matrices of the largest power of two dividing D / 2 (all of
+    it for head dims 64 and 128), float64 on the CPU."""
+    half = head_dim // 2
+    block = half & -half
+    i = torch.arange(half)
+    parity = torch.tensor([bin(x).count("1") % 2 for x in range(block)])[(i % block)[:, None] & (i % block)[None, :]]
+    h = torch.where((i // block)[:, None] == (i // block)[None, :], 1.0 - 2.0 * parity, 0.0).double()
+    return torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)]) / (2 * block) ** 0.5
+
+
+def rotate_keys(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] times key_rotation(D), rounded once to x's dtype."""
+    return (x.double() @ key_rotation(x.shape[-1]).to(x.device)).to(x.dtype)
+
+
 def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
     if kv_cache is not None:
+        if kv_cache.keys_rotated:
+            q, k = rotate_keys(q), rotate_keys(k)
         reshape_and_cache(k, v, kv_cache, slot_mapping)
     return q, k
 

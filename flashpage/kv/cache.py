@@ -4,7 +4,12 @@ A cache is blocks of `block_size` token slots: `k` and `v` are `[num_blocks, blo
 in the layout the kernels read (NHD within a block). Its storage dtype and scales live here:
 - the model's dtype (`kv_cache_dtype="auto"`): no scales;
 - FP8 (e4m3): one float32 scale per KV head, `k_scale`/`v_scale` [num_kv_heads], value = stored * scale; 1.0
-  unless the checkpoint gives them (vLLM's `self_attn.k_scale`/`v_scale`); values past +-448 * scale saturate;
+  unless the checkpoint gives them (vLLM's `self_attn.k_scale`/`v_scale`); values past +-448 * scale saturate.
+  Unless the checkpoint gives the keys' scales (which hold for keys as they are), the keys are stored rotated
+  (`keys_rotated`): rotary embedding is followed by the orthogonal `reference.key_rotation`, applied to the
+  queries too, so q.k is unchanged. A few channels carry most of a key's magnitude and of q.k; spread over all
+  of them, each is rounded to e4m3 with an error relative to a smaller share: SmolLM2's perplexity cost went
+  from +1.13% to +0.63% (docs/kernel-notes.md);
 - INT8: one float32 scale per token and KV head, `k_scale`/`v_scale` [num_blocks, num_kv_heads, block_size] (a
   page's scales of one head side by side, as the decode reads them), chosen as each token is written: its largest
   magnitude over the head / 127 (symmetric, round to nearest).
@@ -34,6 +39,7 @@ class KVCache:
     v_scale: torch.Tensor | None = None
     k_t: torch.Tensor | None = None  # SparQ: the keys, component-major [num_blocks, num_kv_heads, head_dim, block_size]
     v_cumsum: torch.Tensor | None = None  # SparQ: running value sums [num_blocks, num_kv_heads, head_dim]
+    keys_rotated: bool = False  # FP8: keys (and the queries that meet them) rotated as they are written (above)
 
     def __post_init__(self):
         if self.k.dtype in KV_CACHE_DTYPES.values():
@@ -42,6 +48,8 @@ class KVCache:
             for scale in (self.k_scale, self.v_scale):
                 if scale is None or scale.shape != want or scale.dtype != torch.float32 or not scale.is_contiguous():
                     raise ValueError(f"a {self.k.dtype} cache needs contiguous float32 scales of shape {tuple(want)}")
+        if self.keys_rotated and self.k.dtype != KV_CACHE_DTYPES["fp8"]:
+            raise ValueError("only an FP8 cache stores its keys rotated")
         if (self.k_t is None) != (self.v_cumsum is None):
             raise ValueError("a SparQ cache needs both k_t and v_cumsum")
         if self.k_t is not None:
@@ -111,4 +119,5 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                 torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device))
 
     return [KVCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
-                    scales(), scales(), *sparq_copies()) for _ in range(num_layers)]
+                    scales(), scales(), *sparq_copies(), keys_rotated=dtype == torch.float8_e4m3fn)
+            for _ in range(num_layers)]
