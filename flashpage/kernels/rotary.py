@@ -54,8 +54,10 @@ def _rotate(X, stride_t, stride_h, Cos, Sin, stride_ct, t0, num_tokens, heads, H
     x1 = tl.load(x, mask=ok, other=0.0)
     x2 = tl.load(x + HALF, mask=ok, other=0.0)
     c = t * stride_ct + d
-    cos1, cos2 = tl.load(Cos + c, mask=ok, other=0.0).to(tl.float32), tl.load(Cos + c + HALF, mask=ok, other=0.0).to(tl.float32)
-    sin1, sin2 = tl.load(Sin + c, mask=ok, other=0.0).to(tl.float32), tl.load(Sin + c + HALF, mask=ok, other=0.0).to(tl.float32)
+    cos1 = tl.load(Cos + c, mask=ok, other=0.0).to(tl.float32)
+    cos2 = tl.load(Cos + c + HALF, mask=ok, other=0.0).to(tl.float32)
+    sin1 = tl.load(Sin + c, mask=ok, other=0.0).to(tl.float32)
+    sin2 = tl.load(Sin + c + HALF, mask=ok, other=0.0).to(tl.float32)
     ty = x1.dtype
     # x * cos + rotate_half(x) * sin, each product rounded to the model dtype like the unfused model.
     y1 = ((x1.to(tl.float32) * cos1).to(ty).to(tl.float32) - (x2.to(tl.float32) * sin1).to(ty).to(tl.float32)).to(ty)
@@ -83,12 +85,13 @@ def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, KScale, VScale, Sl
     if WRITE_CACHE:
         slot = tl.load(SlotMapping + t, mask=t < num_tokens, other=-1).to(tl.int64)  # [rows, 1]; -1: not stored
         h = tl.arange(0, TOKENS * BLOCK_HK)[:, None] % BLOCK_HK
+        d = tl.arange(0, BLOCK_HALF)[None, :]
         ok = ok & (slot >= 0)
-        dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + h * stride_ch + tl.arange(0, BLOCK_HALF)[None, :]
+        dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + h * stride_ch + d
         k_scale = cache_scale(KCache, KScale, slot, h, kv_heads, PAGE_SIZE, k1, k2)
         tl.store(KCache + dst, to_cache_dtype(k1, k_scale, KCache), mask=ok)
         tl.store(KCache + dst + HALF, to_cache_dtype(k2, k_scale, KCache), mask=ok)
-        v = V + t * stride_vt + h * stride_vh + tl.arange(0, BLOCK_HALF)[None, :]
+        v = V + t * stride_vt + h * stride_vh + d
         v1, v2 = tl.load(v, mask=ok, other=0.0), tl.load(v + HALF, mask=ok, other=0.0)
         v_scale = cache_scale(VCache, VScale, slot, h, kv_heads, PAGE_SIZE, v1, v2)
         tl.store(VCache + dst, to_cache_dtype(v1, v_scale, VCache), mask=ok)
@@ -119,13 +122,13 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     # fastest on an H200 from 1 to 16k tokens, docs/kernel-notes.md)
     tokens = 2 if rotate else 1
     least = 16 if rotate else 1
+    heads_least = -(-least // tokens)  # rows a token's heads take at least
     block = half & -half  # the rotation's Hadamard blocks: the largest power of two dividing half
-    block_hk = max(-(-least // tokens), triton.next_power_of_2(hkv))
     _rope_and_cache_kernel[(triton.cdiv(t, tokens),)](
         q, k, v, cos, sin, kc, vc, ks, vs, sm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
         t, hq, hkv, HALF=half, PAGE_SIZE=kc.shape[1] if write else 1, WRITE_CACHE=write,
-        BLOCK_HQ=max(-(-least // tokens), triton.next_power_of_2(hq)), BLOCK_HK=block_hk,
+        BLOCK_HQ=max(heads_least, triton.next_power_of_2(hq)), BLOCK_HK=max(heads_least, triton.next_power_of_2(hkv)),
         BLOCK_HALF=max(least, triton.next_power_of_2(half)), TOKENS=tokens, ROTATE_KEYS=rotate, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1,
         UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
