@@ -3,7 +3,7 @@
 One program per token rotates all its query and key heads in place; with a cache it also stores the rotated
 key and the value at the token's slot (slot -1: padding, not stored). An FP8 cache that keeps its keys rotated
 (`KVCache.keys_rotated`) gets queries and keys multiplied by `reference.key_rotation` after the rotary embedding,
-two tokens a program.
+two tokens a program. While the programs are few, a second one beside each does the keys and the cache write.
 """
 
 from __future__ import annotations
@@ -76,26 +76,30 @@ def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, KScale, VScale, Sl
                            HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
                            BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                            TOKENS: tl.constexpr, ROTATE_KEYS: tl.constexpr, BLOCK: tl.constexpr,
-                           LOG2_BLOCK: tl.constexpr, UPCAST: tl.constexpr):
+                           LOG2_BLOCK: tl.constexpr, UPCAST: tl.constexpr, KEYS_PROGRAM: tl.constexpr):
+    """Program (i, 0) rotates tokens i * TOKENS .. of Q, program (i, KEYS_PROGRAM) those of K and writes the cache
+    (KEYS_PROGRAM 1: side by side, 0: one after the other in one program)."""
     t0 = tl.program_id(0).to(tl.int64) * TOKENS
-    _rotate(Q, stride_qt, stride_qh, Cos, Sin, stride_ct, t0, num_tokens, q_heads, HALF, TOKENS, BLOCK_HQ,
-            BLOCK_HALF, ROTATE_KEYS, BLOCK, LOG2_BLOCK, UPCAST)
-    k1, k2, t, ok = _rotate(K, stride_kt, stride_kh, Cos, Sin, stride_ct, t0, num_tokens, kv_heads, HALF, TOKENS,
-                            BLOCK_HK, BLOCK_HALF, ROTATE_KEYS, BLOCK, LOG2_BLOCK, UPCAST)
-    if WRITE_CACHE:
-        slot = tl.load(SlotMapping + t, mask=t < num_tokens, other=-1).to(tl.int64)  # [rows, 1]; -1: not stored
-        h = tl.arange(0, TOKENS * BLOCK_HK)[:, None] % BLOCK_HK
-        d = tl.arange(0, BLOCK_HALF)[None, :]
-        ok = ok & (slot >= 0)
-        dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + h * stride_ch + d
-        k_scale = cache_scale(KCache, KScale, slot, h, kv_heads, PAGE_SIZE, k1, k2)
-        tl.store(KCache + dst, to_cache_dtype(k1, k_scale, KCache), mask=ok)
-        tl.store(KCache + dst + HALF, to_cache_dtype(k2, k_scale, KCache), mask=ok)
-        v = V + t * stride_vt + h * stride_vh + d
-        v1, v2 = tl.load(v, mask=ok, other=0.0), tl.load(v + HALF, mask=ok, other=0.0)
-        v_scale = cache_scale(VCache, VScale, slot, h, kv_heads, PAGE_SIZE, v1, v2)
-        tl.store(VCache + dst, to_cache_dtype(v1, v_scale, VCache), mask=ok)
-        tl.store(VCache + dst + HALF, to_cache_dtype(v2, v_scale, VCache), mask=ok)
+    if tl.program_id(1) == 0:
+        _rotate(Q, stride_qt, stride_qh, Cos, Sin, stride_ct, t0, num_tokens, q_heads, HALF, TOKENS, BLOCK_HQ,
+                BLOCK_HALF, ROTATE_KEYS, BLOCK, LOG2_BLOCK, UPCAST)
+    if tl.program_id(1) == KEYS_PROGRAM:
+        k1, k2, t, ok = _rotate(K, stride_kt, stride_kh, Cos, Sin, stride_ct, t0, num_tokens, kv_heads, HALF, TOKENS,
+                                BLOCK_HK, BLOCK_HALF, ROTATE_KEYS, BLOCK, LOG2_BLOCK, UPCAST)
+        if WRITE_CACHE:
+            slot = tl.load(SlotMapping + t, mask=t < num_tokens, other=-1).to(tl.int64)  # [rows, 1]; -1: not stored
+            h = tl.arange(0, TOKENS * BLOCK_HK)[:, None] % BLOCK_HK
+            d = tl.arange(0, BLOCK_HALF)[None, :]
+            ok = ok & (slot >= 0)
+            dst = (slot // PAGE_SIZE) * stride_cb + (slot % PAGE_SIZE) * stride_cs + h * stride_ch + d
+            k_scale = cache_scale(KCache, KScale, slot, h, kv_heads, PAGE_SIZE, k1, k2)
+            tl.store(KCache + dst, to_cache_dtype(k1, k_scale, KCache), mask=ok)
+            tl.store(KCache + dst + HALF, to_cache_dtype(k2, k_scale, KCache), mask=ok)
+            v = V + t * stride_vt + h * stride_vh + d
+            v1, v2 = tl.load(v, mask=ok, other=0.0), tl.load(v + HALF, mask=ok, other=0.0)
+            v_scale = cache_scale(VCache, VScale, slot, h, kv_heads, PAGE_SIZE, v1, v2)
+            tl.store(VCache + dst, to_cache_dtype(v1, v_scale, VCache), mask=ok)
+            tl.store(VCache + dst + HALF, to_cache_dtype(v2, v_scale, VCache), mask=ok)
 
 
 def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
@@ -124,12 +128,15 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     least = 16 if rotate else 1
     heads_least = -(-least // tokens)  # rows a token's heads take at least
     block = half & -half  # the rotation's Hadamard blocks: the largest power of two dividing half
-    _rope_and_cache_kernel[(triton.cdiv(t, tokens),)](
+    programs = triton.cdiv(t, tokens)
+    # queries and keys in programs side by side while they are few (an H200: at 1-4k tokens faster, at 16k slower)
+    split = programs <= 2048
+    _rope_and_cache_kernel[(programs, 2 if split else 1)](
         q, k, v, cos, sin, kc, vc, ks, vs, sm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
         t, hq, hkv, HALF=half, PAGE_SIZE=kc.shape[1] if write else 1, WRITE_CACHE=write,
         BLOCK_HQ=max(heads_least, triton.next_power_of_2(hq)), BLOCK_HK=max(heads_least, triton.next_power_of_2(hkv)),
         BLOCK_HALF=max(least, triton.next_power_of_2(half)), TOKENS=tokens, ROTATE_KEYS=rotate, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1,
-        UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+        UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", KEYS_PROGRAM=int(split))
     return q, k
