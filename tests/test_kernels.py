@@ -59,7 +59,8 @@ def test_flash_attn_varlen(lens_q, lens_k, hq, hkv, dim, causal, window, dtype):
 
 def test_fp8_attention_quantizes_each_head_and_stays_close():
     """fp8=True: q, k, v rounded to e4m3 with one scale per head (a head's largest magnitude maps to 448); off a
-    Hopper GPU the dequantized values go through the same kernel, so the result is that, exactly."""
+    Hopper GPU the dequantized values go through the same kernel, so the result is that, exactly (on one, the FP8
+    tensor cores multiply them: tests/test_hopper_prefill.py)."""
     from flashpage.kernels.fp8 import dequantize_heads, quantize_heads
     x = rand(30, 3, 64, dtype=torch.bfloat16)
     x[:, 1] = 0
@@ -72,7 +73,8 @@ def test_fp8_attention_quantizes_each_head_and_stays_close():
     args = (cu(lens), cu(lens), max(lens), max(lens))
     out = tri.flash_attn_varlen(q, k, v, *args, fp8=True, out=nan_like(q))
     deq = [dequantize_heads(*quantize_heads(t), torch.bfloat16) for t in (q, k, v)]
-    assert torch.equal(out, tri.flash_attn_varlen(*deq, *args))
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9):
+        assert torch.equal(out, tri.flash_attn_varlen(*deq, *args))
     exact = ref.flash_attn_varlen(q.double(), k.double(), v.double(), *args)
     err = ((out.double() - exact).norm() / exact.norm()).item()
     assert 0.01 < err < 0.06, err  # lossy, by about e4m3's precision (bf16: 0.004)

@@ -170,9 +170,9 @@ KERNEL_KINDS = [("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma")
 
 def decode_breakdown(runner, batch: int, context: int) -> dict:
     """Where one decode step's GPU time goes: the time of the step's CUDA graph and, from the profiler, the
-    durations of its kernels by kind and the time at least one kernel runs (kernels overlap: the split merge is
-    launched early and waits on the GPU for its attention kernel). The time less that is the time the GPU spends
-    between kernels. On one GPU the graph is replayed as the last decode left its inputs. Under tensor parallelism
+    durations of its kernels by kind and the time at least one kernel runs (kernels overlap: on Hopper each is
+    launched early and waits on the GPU for the one before, `flashpage.kernels.pdl`). The time less that is the time
+    the GPU spends between kernels (under the profiler, about zero or a little below once kernels launch early). On one GPU the graph is replayed as the last decode left its inputs. Under tensor parallelism
     every rank must replay its graph (their collectives meet), so whole steps run instead, `batch` sequences at
     `context` tokens: the plan's broadcast and the sampling are in the time, and the kernels are rank 0's."""
     size = next(b for b, q in runner.graphs if q == 1 and b >= batch)
@@ -272,8 +272,8 @@ def report(r: dict) -> None:
             "replayed"
         print(f"one decode step (graph of batch {d['graph_batch']}): {d['replay_ms']:.3f} ms {how}, {d['kernels']} "
               f"kernels running {d['busy_ms']:.3f} ms, {d['replay_ms'] - d['busy_ms']:.3f} ms between kernels "
-              f"(kernel durations sum to {sum(d['kernel_ms'].values()):.3f} ms: the split merge waits on the GPU "
-              f"for its attention kernel)")
+              f"(kernel durations sum to {sum(d['kernel_ms'].values()):.3f} ms: kernels launched early wait on "
+              f"the GPU for the one before)")
         for kind, ms in sorted(d["kernel_ms"].items(), key=lambda kv: -kv[1]):
             print(f"  {kind:<48}{ms:>8.3f} ms")
     if "spec" in r:

@@ -24,9 +24,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashpage.kernels import hopper_prefill
+from flashpage.kernels import hopper_prefill, pdl
 from flashpage.kernels.device import sm_count
 from flashpage.kernels.fp8 import dequantize_heads, quantize_heads
+from flashpage.kernels.pdl import release_next, wait_for_previous
 from flashpage.kernels.tree import check_query_mask
 
 
@@ -296,8 +297,8 @@ def _attention_kernel(
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
     TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # the merge may launch now and wait on the GPU for this grid, instead of launching after it
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_previous(PDL)
+    release_next(PDL)  # the merge (or the next kernel) may launch now and wait on the GPU for this grid
     # Causal row tiles further down see more keys: launch those first so the short ones fill the tail.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -328,8 +329,8 @@ def _merge_splits(PartOut, PartLse, Out, stride_ps, stride_pt, stride_ph, stride
                   PDL: tl.constexpr):
     """out = sum_s exp2(lse_s - max) * part_s / sum_s exp2(lse_s - max), one program per (token, head, BLOCK_D
     columns of the head)."""
-    if PDL:  # launched early (programmatic dependent launch): wait here until the split programs' writes are done
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous(PDL)  # launched early: wait here until the split programs' writes are done
+    release_next(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -443,15 +444,15 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
     if tma:
         assert page_size % block_n == 0, "a copy-engine tile must lie inside one page"
         k, v = (cache_descriptor(c, block_n) for c in (k, v))
-    # Programmatic dependent launch: the merge is launched while the split programs run and waits for their writes
-    # on the GPU, which takes its launch off the critical path.
-    pdl = num_splits > 1 and not interpret and not _before_hopper(q.device)
+    # Programmatic dependent launch (flashpage.kernels.pdl): the merge is launched while the split programs run and
+    # waits for their writes on the GPU, which takes its launch off the critical path.
+    launch_pdl = pdl.enabled(q.device)
     # Gather decode masks every tile (a second loop cost more than the masking); the copy-engine decode keeps the
     # unmasked loop, where its V tiles go straight from shared memory to the tensor cores.
     # Batch-invariant: every tile masked too, as the compiler fuses the unmasked tiles' arithmetic differently (one
     # rounding fewer), and whether a key tile needs a mask depends on which rows share the program.
-    common = dict(MASK_EVERY_TILE=decode and not tma or batch_invariant, TMA=tma, PDL=pdl, GROUP=group, HEAD_DIM=dim,
-                  BLOCK_D=block_d,
+    common = dict(MASK_EVERY_TILE=decode and not tma or batch_invariant, TMA=tma, PDL=launch_pdl,
+                  launch_pdl=launch_pdl, GROUP=group, HEAD_DIM=dim, BLOCK_D=block_d,
                   BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size, CAUSAL=causal,
                   NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages,
                   UPCAST=q.dtype == torch.bfloat16 and interpret,
@@ -481,8 +482,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
         merge_d = min(block_d, 32)
         _merge_splits[(total_q, hq, triton.cdiv(dim, merge_d))](
             part, lse, out, *part_strides, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=merge_d, PDL=pdl, launch_pdl=pdl,
-            num_warps=1)
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, BLOCK_D=merge_d, PDL=launch_pdl,
+            launch_pdl=launch_pdl, num_warps=1)
     return out
 
 

@@ -6,6 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels import pdl
+from flashpage.kernels.pdl import release_next, wait_for_previous
+
 
 @triton.jit
 def rms_normalize(h, Weight, cols, ok, n_cols, eps, dtype):
@@ -16,7 +19,9 @@ def rms_normalize(h, Weight, cols, ok, n_cols, eps, dtype):
 
 
 @triton.jit
-def _rms_norm_kernel(X, Weight, Out, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, Weight, Out, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
+    release_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -32,5 +37,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.shape[0]:
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
-                                        BLOCK=triton.next_power_of_2(x.shape[1]), num_warps=4 if x.shape[1] <= 4096 else 8)
+                                        BLOCK=triton.next_power_of_2(x.shape[1]), PDL=pdl.enabled(x.device),
+                                        launch_pdl=pdl.enabled(x.device), num_warps=4 if x.shape[1] <= 4096 else 8)
     return out

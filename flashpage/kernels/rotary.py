@@ -14,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels import pdl
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.cache import cache_scale, scale_pointers, to_cache_dtype
+from flashpage.kernels.pdl import release_next, wait_for_previous
 
 
 @triton.jit
@@ -76,9 +78,12 @@ def _rope_and_cache_kernel(Q, K, V, Cos, Sin, KCache, VCache, KScale, VScale, Sl
                            HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, WRITE_CACHE: tl.constexpr,
                            BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                            TOKENS: tl.constexpr, ROTATE_KEYS: tl.constexpr, BLOCK: tl.constexpr,
-                           LOG2_BLOCK: tl.constexpr, UPCAST: tl.constexpr, KEYS_PROGRAM: tl.constexpr):
+                           LOG2_BLOCK: tl.constexpr, UPCAST: tl.constexpr, KEYS_PROGRAM: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (i, 0) rotates tokens i * TOKENS .. of Q, program (i, KEYS_PROGRAM) those of K and writes the cache
     (KEYS_PROGRAM 1: side by side, 0: one after the other in one program)."""
+    wait_for_previous(PDL)
+    release_next(PDL)
     t0 = tl.program_id(0).to(tl.int64) * TOKENS
     if tl.program_id(1) == 0:
         _rotate(Q, stride_qt, stride_qh, Cos, Sin, stride_ct, t0, num_tokens, q_heads, HALF, TOKENS, BLOCK_HQ,
@@ -138,5 +143,6 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
         BLOCK_HQ=max(heads_least, triton.next_power_of_2(hq)), BLOCK_HK=max(heads_least, triton.next_power_of_2(hkv)),
         BLOCK_HALF=max(least, triton.next_power_of_2(half)), TOKENS=tokens, ROTATE_KEYS=rotate, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1,
-        UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", KEYS_PROGRAM=int(split))
+        UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        KEYS_PROGRAM=int(split), PDL=pdl.enabled(q.device), launch_pdl=pdl.enabled(q.device))
     return q, k
