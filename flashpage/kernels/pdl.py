@@ -2,12 +2,12 @@
 kernel before it in the stream is still running, once every program of that one has called `release_next` (or
 exited); it must call `wait_for_previous` before it reads or writes anything another kernel writes or reads.
 
-The decode step's kernels (norms, the linear layers, RoPE + cache write, attention and its split merge) all launch
-this way: each releases the next as soon as it has waited (a linear layer once its loop over the weight is done, so
-that the next kernel's programs do not take the shared memory its own later programs need), so launching the next
-kernel is off the critical path, and a linear layer's programs ask L2 for the first columns of their weight, which
-no kernel writes, while the kernel before them runs (an H200's batch-1 FP8 decode step: 3.30 -> 3.09 ms,
-docs/kernel-notes.md). FLASHPAGE_PDL=0 turns it off.
+The decode step's kernels (norms, the linear layers at decode sizes, RoPE + cache write, attention and its split
+merge) all launch this way: each releases the next as soon as it has waited (a linear layer once its loop
+over the weight is done, so that the next kernel's programs do not take the shared memory its own later programs
+need), so launching the next kernel is off the critical path, and a linear layer's programs ask L2 for the first
+columns of their weight, which no kernel writes, while the kernel before them runs (an H200's batch-1 FP8 decode
+step: 3.30 -> 3.09 ms, docs/kernel-notes.md). FLASHPAGE_PDL=0 turns it off.
 """
 
 from __future__ import annotations
