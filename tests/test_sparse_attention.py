@@ -12,6 +12,7 @@ import torch
 from conftest import DEVICE, engine_from, rel_err
 from flashpage import SamplingParams
 from flashpage.engine.inputs import paged_view
+from flashpage.engine.sparse import key_bases
 from flashpage.errors import ParameterError
 from flashpage.kernels import cpu as cpu_kernels
 from flashpage.kernels import reference as ref
@@ -23,19 +24,22 @@ from test_engine import run
 from test_kernels import TOL, paged_case
 
 
-def sparq_by_the_paper(q, keys, values, r, k, scale):
+def sparq_by_the_paper(q, keys, values, r, k, scale, basis=None):
     """One query [Hq, D] over keys/values [L, Hkv, D], float64, head by head as Algorithm 1 of the paper reads,
-    the group sharing components (|q| summed) and keys (approximate probabilities summed)."""
+    the group sharing components (|q| summed) and keys (approximate probabilities summed); with `basis` [Hkv, D,
+    D], the components of q and the keys in it (their columns) for the approximate scores."""
     hq, hkv = q.shape[0], keys.shape[1]
     group, length = hq // hkv, keys.shape[0]
     out = torch.empty_like(q)
     for h in range(hkv):
         qs = q[h * group:(h + 1) * group]
-        comp = qs.abs().sum(0).topk(r).indices
+        turn = basis[h] if basis is not None else torch.eye(q.shape[1], dtype=q.dtype)
+        comp = (qs @ turn).abs().sum(0).topk(r).indices
         probs = []
         for qh in qs:
-            temp = scale / (qh[comp].abs().sum() / qh.abs().sum()).sqrt()
-            probs.append(torch.softmax(keys[:, h, comp] @ qh[comp] * temp, 0))
+            qt = qh @ turn
+            temp = scale / (qt[comp].abs().sum() / qt.abs().sum()).sqrt()
+            probs.append(torch.softmax((keys[:, h] @ turn)[:, comp] @ qt[comp] * temp, 0))
         chosen = torch.stack(probs).sum(0).topk(min(k, length)).indices
         for g, qh in enumerate(qs):
             alpha = probs[g][chosen].sum() if length > k else 1.0
@@ -44,11 +48,18 @@ def sparq_by_the_paper(q, keys, values, r, k, scale):
     return out
 
 
-def sparq_cache(lens_k, page, hkv, dim, dtype, writer):
+def random_basis(hkv, dim, dtype=torch.float32):
+    """An orthonormal basis per KV head [Hkv, D, D] (its columns)."""
+    return torch.linalg.qr(torch.randn(hkv, dim, dim, dtype=torch.float64)).Q.to(dtype).to(DEVICE)
+
+
+def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None):
     """A shuffled paged cache with its SparQ extras poisoned, then written by `writer` (the reference's or the
-    Triton kernel's) as a prefill of each sequence's first third and decode steps of the rest, one token each."""
+    Triton kernel's) as a prefill of each sequence's first third and decode steps of the rest, one token each;
+    `basis`: the cache's sparq_basis."""
     k, v, table, seq_lens, _ = paged_case(lens_k, [1] * len(lens_k), page, hkv, dim, dtype)
     cache = allocate_kv_caches(1, k.shape[0], page, hkv, dim, dtype, torch.device(DEVICE), sparq=True)[0]
+    cache.sparq_basis = basis
     cache.k.copy_(k)
     cache.v.copy_(v)
     cache.k_t.fill_(float("nan"))
@@ -67,14 +78,18 @@ def sparq_cache(lens_k, page, hkv, dim, dtype, writer):
 
 
 def check_sparq_extras(cache, table, seq_lens):
-    """k_t holds every written key, component-major; each block's v_cumsum the sum of its sequence's values up
-    to the block's last written slot."""
+    """k_t holds every written key (in the cache's sparq_basis), component-major; each block's v_cumsum the sum of
+    its sequence's values up to the block's last written slot."""
     page = cache.block_size
     for i, n in enumerate(seq_lens.tolist()):
         blocks = table[i, :-(-n // page)].long()
         slots = torch.arange(n, device=DEVICE)
-        assert torch.equal(cache.k_t[blocks[slots // page], :, :, slots % page], cache.k[blocks[slots // page],
-                                                                                          slots % page])
+        keys = cache.k[blocks[slots // page], slots % page]
+        if cache.sparq_basis is None:
+            assert torch.equal(cache.k_t[blocks[slots // page], :, :, slots % page], keys)
+        else:
+            turned = ref.in_basis(keys.double(), cache.sparq_basis.double())
+            assert rel_err(cache.k_t[blocks[slots // page], :, :, slots % page], turned) < 1e-6
         values = cache.v[blocks].double().flatten(0, 1)[:n].cumsum(0)
         ends = torch.clamp((torch.arange(len(blocks), device=DEVICE) + 1) * page, max=n) - 1
         assert rel_err(cache.v_cumsum[blocks], values[ends]) < 1e-6
@@ -109,15 +124,42 @@ def test_reference_is_the_papers_algorithm():
         assert rel_err(one[0], want) < 1e-12, pos
     dense = ref.paged_attention(q[-1:], cache, table, torch.tensor([0, 1]), torch.tensor([length]), 1)
     assert rel_err(out[-1:], dense) > 0.05  # (k < length: it is sparse)
+    basis = torch.linalg.qr(torch.randn(hkv, dim, dim, dtype=torch.float64)).Q
+    turned = KVCache(cache.k, cache.v, sparq_basis=basis)
+    out_b = ref.sparq_attention(q, turned, table, torch.tensor([0, length]), torch.tensor([length]), length, r=r,
+                                k=k)
+    for pos in (5, k, 47, length - 1):
+        want = sparq_by_the_paper(q[pos], keys[:pos + 1], values[:pos + 1], r, k, dim**-0.5, basis)
+        assert rel_err(out_b[pos], want) < 1e-12, pos
+    assert rel_err(out_b[k:], out[k:]) > 1e-3  # (another basis, other components and keys)
+    every = [ref.sparq_attention(q, c, table, torch.tensor([0, length]), torch.tensor([length]), length, r=dim, k=k)
+             for c in (cache, turned)]
+    assert rel_err(every[0], every[1]) < 1e-12  # all components: exact scores, in any basis
+
+
+def test_key_bases_are_principal_axes():
+    """key_bases: orthonormal, and the keys' second moment in it falls from the first component to the last."""
+    torch.manual_seed(0)
+    keys = torch.randn(500, 2, 16) * torch.logspace(1, -1, 16)
+    keys = ref.in_basis(keys, random_basis(2, 16).cpu())  # (the large axes off the coordinate axes)
+    basis = key_bases(keys)
+    assert basis.shape == (2, 16, 16) and basis.dtype == torch.float32
+    assert (basis.transpose(1, 2) @ basis - torch.eye(16)).abs().max() < 1e-5
+    moments = ref.in_basis(keys, basis).pow(2).mean(0)  # [Hkv, D]
+    assert bool((moments[:, :-1] >= moments[:, 1:] * (1 - 1e-5)).all())
+    assert bool((moments[:, 0] > 50 * moments[:, -1]).all())
 
 
 @pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits", CASES)
-def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits):
+@pytest.mark.parametrize("turned", [False, True])
+def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, turned):
     """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
-    output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros."""
+    output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
+    `turned`: in a random basis of each KV head."""
     torch.manual_seed(sum(lens_k) + r)
-    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies))
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies)
+    basis = random_basis(hkv, dim) if turned else None
+    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis))
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis)
     check_sparq_extras(cache, table, seq_lens)
     q = torch.randn(len(lens_k) + 1, hq, dim, device=DEVICE)
     table = torch.cat([table, torch.zeros_like(table[:1])])
@@ -125,11 +167,15 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     cu = torch.arange(len(lens_k) + 2, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
-    double = KVCache(cache.k.double(), cache.v.double())
+    double = KVCache(cache.k.double(), cache.v.double(), sparq_basis=basis)
     expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k)
     assert rel_err(out[:-1], expect) < 1e-5
-    strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, strided=True)
-    assert rel_err(strided[:-1], out[:-1]) < 1e-6  # (the components read from K itself)
+    if turned:
+        with pytest.raises(ValueError, match="sparq_basis"):
+            sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, strided=True)
+    else:
+        strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, strided=True)
+        assert rel_err(strided[:-1], out[:-1]) < 1e-6  # (the components read from K itself)
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     if max(lens_k) > k:
         dense = ref.paged_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1)
@@ -195,6 +241,12 @@ def test_sparq_engine(smollm_llm):
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["a"].outputs[0].token_ids == alone
+    caches = engine.runner.kv_caches  # each layer's basis, from the calibration text's keys (key_bases)
+    assert all(c.sparq_basis.shape == (3, 64, 64) for c in caches) and rel_err(caches[0].sparq_basis,
+                                                                              caches[1].sparq_basis) > 0.1
+    paper = engine_from(smollm_llm, sparse_attention={**SPARQ, "basis": "none"})
+    assert all(c.sparq_basis is None for c in paper.runner.kv_caches)
+    assert tokens(paper, [prompt], [greedy])[0][0] != alone
     plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.05).stats()["kv_blocks_total"]
     with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, sparse_attention=SPARQ).stats()["kv_blocks_total"]
     assert plain * 0.6 < with_extras < plain * 0.7  # (K + V + K again + a float32 sum per block and head)
@@ -230,6 +282,7 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "block", "k": 8}, {}, "k does not apply to method block"),
     ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
+    ({"method": "sparq", "r": 8, "k": 8, "basis": "svd"}, {}, "basis must be one of pca, none"),
     ("sparq", {}, "sparse_attention must be dict or None"),
     (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
     (SPARQ, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "not served with speculative"),

@@ -9,13 +9,17 @@ bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x conte
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
 components: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 32, k = context / 8); at block size 16
 (the default) and 64 (a component's keys of one block are then 128 contiguous bytes instead of 32), and at 1/8
-reading the components from K itself instead of the component-major copy ("strided"). Each is timed as a CUDA
+reading the components from K itself instead of the component-major copy ("strided"). The copy is in an
+orthonormal basis per KV head, as the engine's default (`"basis": "pca"`), so the queries' turn into it is in the
+time (not for "strided", which reads K as it is). Each is timed as a CUDA
 graph (as the engine runs decode), after warm-up, median of many replays, against the dense decode over the same
 cache; the table also gives the time of SparQ's phases (approximate scores, aggregation, torch's top-k, exact
 attention, combine) from eager runs under the profiler.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -53,7 +57,8 @@ def sparq_cache(batch: int, context: int, block: int = 16) -> tuple[KVCache, tor
     for i in range(batch):  # each block: the sequence's values summed up to its end
         rows = table[i].long()
         v_cumsum[rows] = v[rows].float().sum(1).cumsum(0)
-    return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum), table
+    basis = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q.to(torch.bfloat16)
+    return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum, sparq_basis=basis), table
 
 
 def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
@@ -71,11 +76,12 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
         variants.append(("1/8", True))
     for name, strided in variants:
         r, k = BUDGETS[name][0], context // BUDGETS[name][1]
-        ms = graph_ms(lambda: sparq.sparq_attention(q, cache, table, cu, lens, 1, r=r, k=k, out=out, strided=strided))
+        read = dataclasses.replace(cache, sparq_basis=None) if strided else cache
+        ms = graph_ms(lambda: sparq.sparq_attention(q, read, table, cu, lens, 1, r=r, k=k, out=out, strided=strided))
         rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "block_size": block, "budget": name,
                      "r": r, "k": k, "strided": strided, "ms": ms, "dense_ms": dense_ms,
                      "speedup_vs_dense": dense_ms / ms, "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
-                     "phases_ms": sparq_phases(q, cache, table, lens, r, k, strided)})
+                     "phases_ms": sparq_phases(q, read, table, lens, r, k, strided)})
     return rows
 
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.inputs import prepare_inputs, upload
 from flashpage.engine.sampler import sample_rows
+from flashpage.engine.sparse import CALIBRATION_TOKENS, calibration_ids, key_bases
 from flashpage.engine.spec import target_feature_layers
 from flashpage.engine.step import SampledToken, SampleRow, SampleSpec, SeqStep, StepPlan, StepResult
 from flashpage.kernels.fp8 import check_fp8_support
@@ -170,6 +171,8 @@ class ModelRunner:
                     (cache.k_scale if kind == "k" else cache.v_scale).copy_(scale)
                     if kind == "k":  # calibrated on the keys as they are: store them so
                         cache.keys_rotated = False
+        if self.sparq_cache and self.sparse.basis == "pca":
+            self._calibrate_sparq_bases()
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
         # (valid until the next step: a CUDA graph overwrites them)
@@ -186,6 +189,22 @@ class ModelRunner:
         self.graphs.clear()
         if wait and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _calibrate_sparq_bases(self) -> None:
+        """Each layer's SparQ basis (`engine.sparse.key_bases`) from the keys of CALIBRATION_TOKENS tokens of real
+        text, prefilled densely into a cache of their own (so the bases depend on no engine setting)."""
+        c, bs = self.config, self.block_size
+        ids = calibration_ids(self.tokenizer, c.vocab_size, min(CALIBRATION_TOKENS, self.cfg.max_model_len))
+        blocks = -(-len(ids) // bs)
+        caches = allocate_kv_caches(c.num_hidden_layers, blocks, bs, self.num_kv_heads, c.head_dim, self.dtype,
+                                    self.device)
+        plan = StepPlan()
+        plan.add(SeqStep(0, ids, list(range(len(ids))), list(range(blocks)), num_logits=1))
+        inputs = prepare_inputs(plan, bs, self.device)
+        self.model(inputs.ids, inputs.meta, caches)
+        for cache, calibration in zip(self.kv_caches, caches):
+            cache.sparq_basis = key_bases(calibration.k.flatten(0, 1)[:len(ids)]).to(self.dtype)
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg

@@ -3,7 +3,9 @@
 - `{"method": "sparq", "r": 16, "k": 256}`: SparQ attention for decode (`flashpage.kernels.reference.
   sparq_attention`): each decoded token reads r components of every cached key, then k whole keys and values.
   `"prompt": true` applies it to the prompt's tokens too, as if each were decoded in turn (how the quality table
-  scores it; the CPU and PyTorch kernels only).
+  scores it; the CPU and PyTorch kernels only). `"basis": "pca"` (the default) chooses the components in each
+  layer's and KV head's principal axes of its keys (`key_bases`), measured as the engine starts on
+  CALIBRATION_TOKENS tokens of real text; `"none"` in the keys' own components, as the paper does.
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
@@ -20,7 +22,13 @@ import torch
 from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
 
-METHODS = {"sparq": ("r", "k", "prompt"), "block": ("block", "sink", "local", "stride")}
+METHODS = {"sparq": ("r", "k", "prompt", "basis"), "block": ("block", "sink", "local", "stride")}
+BASES = ("pca", "none")
+
+# The text whose keys give SparQ's bases: the standard library's own source (any CPython 3.11+ has it), not the
+# documentation that `bench quality --sparse` scores, so the measured cost is not that of text seen here.
+CALIBRATION_MODULES = ("textwrap", "string", "shlex", "csv", "json.decoder", "json.encoder")
+CALIBRATION_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,7 @@ class SparseAttentionConfig:
     r: int | None = None  # sparq: query components that approximate the scores (1..head_dim)
     k: int | None = None  # sparq: keys attended exactly per decoded token and KV head (>= 1)
     prompt: bool = False  # sparq: the prompt's tokens too (CPU / PyTorch kernels)
+    basis: str = "pca"  # sparq: where components are chosen: the keys' principal axes, or "none" (the keys' own)
     block: int = 64  # block: positions per block (a multiple of 64)
     sink: int = 1  # block: first blocks every query sees
     local: int = 16  # block: the window, in blocks, the query's own included (>= 1)
@@ -57,6 +66,8 @@ class SparseAttentionConfig:
             integer("k", 1)
             if not isinstance(d.get("prompt", False), bool):
                 bad("prompt", f"must be true or false, got {d['prompt']!r}")
+            if d.get("basis", cls.basis) not in BASES:
+                bad("basis", f"must be one of {', '.join(BASES)}, got {d['basis']!r}")
         else:
             integer("block", 64, cls.block)
             if d.get("block", cls.block) % 64:
@@ -86,6 +97,27 @@ class SparseAttentionConfig:
         if self.prompt and kernels == "triton":
             raise ParameterError("sparse_attention.prompt", "sparse_attention: prompt=true runs on the CPU and "
                                  "PyTorch kernels only (kernels='cpu' or 'torch')")
+
+
+def calibration_ids(tokenizer, vocab_size: int, n: int) -> list[int]:
+    """n tokens of CALIBRATION_MODULES' source; random ids where the model has no tokenizer (dummy weights)."""
+    if tokenizer is None:
+        return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    import importlib
+    from pathlib import Path
+
+    text = "".join(Path(importlib.import_module(m).__file__).read_text() for m in CALIBRATION_MODULES)
+    return tokenizer.encode(text[:8 * n])[:n]  # (code is 3-4 characters a token)
+
+
+def key_bases(keys: torch.Tensor) -> torch.Tensor:
+    """Per KV head, the principal axes of keys [T, Hkv, D] (after RoPE, as cached), largest second moment first:
+    the eigenvectors of K^T K as the columns of an orthonormal basis, float32 [Hkv, D, D]. In it a few components
+    carry most of a key, and SparQ's r largest components of the query find more of q.k (on SmolLM2 at 1/8 of the
+    bytes: docs/sparse-attention.md)."""
+    k = keys.double().transpose(0, 1)  # [Hkv, T, D]
+    _, vectors = torch.linalg.eigh(k.transpose(1, 2) @ k)  # ascending eigenvalues
+    return vectors.flip(-1).float().contiguous()
 
 
 @dataclass

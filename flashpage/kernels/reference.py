@@ -254,10 +254,21 @@ def apply_token_bitmask(logits, bitmask):
     logits.masked_fill_(allowed == 0, float("-inf"))
 
 
+def in_basis(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+    """Heads x [T, H, D] in their KV head's orthonormal basis (basis [Hkv, D, D], columns the basis vectors; H a
+    multiple of Hkv, query heads grouped as GQA groups them), computed in x's dtype; x itself for no basis."""
+    if basis is None:
+        return x
+    t, h, d = x.shape
+    hkv = basis.shape[0]
+    return torch.einsum("tkgd,kde->tkge", x.reshape(t, hkv, h // hkv, d), basis.to(x.dtype)).reshape(t, h, d)
+
+
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
                     out=None, rows_per_chunk=64):
     """SparQ attention (Ribar et al., 2024), each query row over its sequence's keys up to its own position (as if
-    every row were decoded in turn). Per row and KV head:
+    every row were decoded in turn). Per row and KV head, with queries and keys in the cache's `sparq_basis` for
+    steps 1 and 2 (q.k is the same in any orthonormal basis; the paper's is the identity):
     1. the r components where the group's queries are largest in magnitude (|q| summed over the group's heads);
     2. approximate scores from those components of every key, each head's softmax temperature scaled by
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
@@ -276,21 +287,24 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
-            out[start:end] = _sparq_rows(q[start:end], keys, values, pos, r, k, scale)
+            out[start:end] = _sparq_rows(q[start:end], keys, values, pos, r, k, scale, kv_cache.sparq_basis)
     return out
 
 
-def _sparq_rows(q, keys, values, pos, r, k, scale):
-    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D]. Returns [n, Hq, D]."""
+def _sparq_rows(q, keys, values, pos, r, k, scale, basis=None):
+    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D]; basis [Hkv, D, D] or None. Returns [n, Hq, D]."""
     n, hq, dim = q.shape
     length, hkv, _ = keys.shape
     dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
     qg = q.to(dt).view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
     kf, vf = keys.to(dt).transpose(0, 1), values.to(dt).transpose(0, 1)  # [Hkv, L, D]
-    comp = qg.abs().sum(2).topk(min(r, dim), dim=-1).indices  # [n, Hkv, r]
-    q_hat = qg.gather(-1, comp[:, :, None, :].expand(-1, -1, qg.shape[2], -1))  # [n, Hkv, G, r]
-    k_hat = kf[None].expand(n, -1, -1, -1).gather(-1, comp[:, :, None, :].expand(-1, -1, length, -1))  # [n,Hkv,L,r]
-    frac = q_hat.abs().sum(-1) / qg.abs().sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    basis = None if basis is None else basis.to(dt)
+    qb = in_basis(q.to(dt), basis).view(n, hkv, hq // hkv, dim)  # (the approximate scores' queries and keys)
+    kb = in_basis(keys.to(dt), basis).transpose(0, 1)
+    comp = qb.abs().sum(2).topk(min(r, dim), dim=-1).indices  # [n, Hkv, r]
+    q_hat = qb.gather(-1, comp[:, :, None, :].expand(-1, -1, qb.shape[2], -1))  # [n, Hkv, G, r]
+    k_hat = kb[None].expand(n, -1, -1, -1).gather(-1, comp[:, :, None, :].expand(-1, -1, length, -1))  # [n,Hkv,L,r]
+    frac = q_hat.abs().sum(-1) / qb.abs().sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
     temp = scale / frac.clamp_min(torch.finfo(torch.float32).tiny).sqrt()
     seen = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [n, L]
     s_hat = (q_hat @ k_hat.transpose(-1, -2)) * temp[..., None]  # [n, Hkv, G, L]
@@ -311,14 +325,14 @@ def _sparq_rows(q, keys, values, pos, r, k, scale):
 
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
-    """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key into the
-    component-major copy `k_t` [blocks, Hkv, D, block_size], and for each block written to, `v_cumsum`
+    """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key, in the cache's
+    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size], and for each block written to, `v_cumsum`
     [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot to the block's last written
     one. (Blocks shared by prefix caching hold the same prefix in every sequence, so their sums hold for all.)"""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page = kv_cache.block_size
-    kv_cache.k_t[slots // page, :, :, slots % page] = k[keep].to(kv_cache.k_t.dtype)
+    kv_cache.k_t[slots // page, :, :, slots % page] = in_basis(k[keep], kv_cache.sparq_basis).to(kv_cache.k_t.dtype)
     cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     for i, length in enumerate(lens):
         if length == 0 or cu[i + 1] == cu[i]:  # (a CUDA graph's padding sequence)

@@ -16,7 +16,9 @@ sum, instead of every key and value:
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
    head.
-Decode only: one query per sequence.
+Decode only: one query per sequence. Steps 1 and 2 see queries and keys in the cache's `sparq_basis` (`k_t` is
+written in it; the queries are turned into it, one small product, before step 1); steps 4 and 5 the keys as
+they are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import triton.language as tl
 
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import sm_count
+from flashpage.kernels.reference import in_basis
 
 _LOG2E = 1.4426950408889634
 
@@ -255,12 +258,15 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(dim)
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    if strided and kv_cache.sparq_basis is not None:
+        raise ValueError("strided=True reads the components from K, which is not in the cache's sparq_basis")
     keys = kv_cache.k if strided else kv_cache.k_t
+    q_basis = in_basis(q, kv_cache.sparq_basis)  # the queries that meet k_t
     # (block, head, component, token) strides of the keys read
     key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
     _approximate_scores[(batch, hkv, score_splits)](
-        q, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
-        hkv, q.stride(0), q.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides,
+        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
+        hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides,
         GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim,
         BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         num_warps=score_warps)
@@ -331,13 +337,14 @@ def _write_sparq_copies(K, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, 
 
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
-    """As `reference.write_sparq_copies`: after the new tokens' K/V are in the cache, their keys into `k_t` and the
-    running value sums of the blocks they went to."""
+    """As `reference.write_sparq_copies`: after the new tokens' K/V are in the cache, their keys (in the cache's
+    `sparq_basis`) into `k_t` and the running value sums of the blocks they went to."""
     batch = seq_lens_k.shape[0]
     if k.shape[0] == 0 or batch == 0:
         return
     _, page, heads, dim = kv_cache.v.shape
     v = kv_cache.v
+    k = in_basis(k, kv_cache.sparq_basis)
     _write_sparq_copies[(batch, heads)](
         k, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
