@@ -224,7 +224,9 @@ def test_sparq_engine(smollm_llm):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = real_text(smollm_llm, 60)
     dense = tokens(engine_from(smollm_llm), [prompt], [greedy])[0][0]
-    assert tokens(engine_from(smollm_llm, sparse_attention={**SPARQ, "k": 512}), [prompt], [greedy])[0][0] == dense
+    # (the paper's basis where the basis does not matter: the default's calibration is a 4k-token prefill)
+    paper = {**SPARQ, "basis": "none"}
+    assert tokens(engine_from(smollm_llm, sparse_attention={**paper, "k": 512}), [prompt], [greedy])[0][0] == dense
     engine = engine_from(smollm_llm, sparse_attention=SPARQ)
     alone = tokens(engine, [prompt], [greedy])[0][0]
     assert alone != dense
@@ -232,7 +234,6 @@ def test_sparq_engine(smollm_llm):
     contexts = range(len(prompt) + 1, len(prompt) + 24)  # (the first token comes from the prefill)
     assert stats["sparse_attention_keys_fraction"] == pytest.approx(24 * len(contexts) / sum(contexts))
     assert stats["sparse_attention_bytes_fraction"] == pytest.approx(16 / 128 + 24 * len(contexts) / sum(contexts))
-    engine = engine_from(smollm_llm, sparse_attention=SPARQ)
     engine.add_request("a", prompt, greedy)
     for _ in range(4):
         engine.step()
@@ -244,18 +245,19 @@ def test_sparq_engine(smollm_llm):
     caches = engine.runner.kv_caches  # each layer's basis, from the calibration text's keys (key_bases)
     assert all(c.sparq_basis.shape == (3, 64, 64) for c in caches) and rel_err(caches[0].sparq_basis,
                                                                               caches[1].sparq_basis) > 0.1
-    paper = engine_from(smollm_llm, sparse_attention={**SPARQ, "basis": "none"})
-    assert all(c.sparq_basis is None for c in paper.runner.kv_caches)
-    assert tokens(paper, [prompt], [greedy])[0][0] != alone
+    paper_engine = engine_from(smollm_llm, sparse_attention=paper)
+    assert all(c.sparq_basis is None for c in paper_engine.runner.kv_caches)
+    assert tokens(paper_engine, [prompt], [greedy])[0][0] != alone
     plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.05).stats()["kv_blocks_total"]
-    with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, sparse_attention=SPARQ).stats()["kv_blocks_total"]
+    with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, sparse_attention=paper).stats()["kv_blocks_total"]
     assert plain * 0.6 < with_extras < plain * 0.7  # (K + V + K again + a float32 sum per block and head)
 
 
 def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     """With `prompt` (every token through SparQ, so a preempted sequence's recomputation gives what its decode
-    gave), requests batched with prefix hits, forked samples and preemption get the tokens they get alone."""
-    cfg = {**SPARQ, "prompt": True}
+    gave), requests batched with prefix hits, forked samples and preemption get the tokens they get alone (the
+    paper's basis: these mechanics copy k_t as bytes, whatever basis it is in, and each engine would calibrate)."""
+    cfg = {**SPARQ, "prompt": True, "basis": "none"}
     shared = real_text(smollm_llm, 48)
     prompts = [shared + real_text(smollm_llm, 2, start=100 * i) for i in range(3)] + [real_text(smollm_llm, 30, 9000)]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + \
