@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -103,9 +105,6 @@ def calibration_ids(tokenizer, vocab_size: int, n: int) -> list[int]:
     """n tokens of CALIBRATION_MODULES' source; random ids where the model has no tokenizer (dummy weights)."""
     if tokenizer is None:
         return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    import importlib
-    from pathlib import Path
-
     text = "".join(Path(importlib.import_module(m).__file__).read_text() for m in CALIBRATION_MODULES)
     return tokenizer.encode(text[:8 * n])[:n]  # (code is 3-4 characters a token)
 

@@ -281,26 +281,28 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     page = kv_cache.block_size
+    dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
+    basis = None if kv_cache.sparq_basis is None else kv_cache.sparq_basis.to(dt)
     for i, len_k in enumerate(lens_k):
-        keys, values = (x.flatten(0, 1)[:len_k] for x in read_pages(kv_cache, block_table[i, : -(-len_k // page)],
-                                                                       q.dtype))
+        pages = read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype)
+        keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in pages)
+        turned = in_basis(keys, basis)  # (the approximate scores' keys)
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
-            out[start:end] = _sparq_rows(q[start:end], keys, values, pos, r, k, scale, kv_cache.sparq_basis)
+            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, scale, basis)
     return out
 
 
-def _sparq_rows(q, keys, values, pos, r, k, scale, basis=None):
-    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D]; basis [Hkv, D, D] or None. Returns [n, Hq, D]."""
+def _sparq_rows(q, keys, turned, values, pos, r, k, scale, basis):
+    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D] and the keys in `basis` ([Hkv, D, D] or None),
+    all of one dtype. Returns [n, Hq, D]."""
     n, hq, dim = q.shape
     length, hkv, _ = keys.shape
-    dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
-    qg = q.to(dt).view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
-    kf, vf = keys.to(dt).transpose(0, 1), values.to(dt).transpose(0, 1)  # [Hkv, L, D]
-    basis = None if basis is None else basis.to(dt)
-    qb = in_basis(q.to(dt), basis).view(n, hkv, hq // hkv, dim)  # (the approximate scores' queries and keys)
-    kb = in_basis(keys.to(dt), basis).transpose(0, 1)
+    qg = q.view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
+    kf, vf = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, L, D]
+    qb = in_basis(q, basis).view(n, hkv, hq // hkv, dim)  # (the approximate scores' queries and keys)
+    kb = turned.transpose(0, 1)
     comp = qb.abs().sum(2).topk(min(r, dim), dim=-1).indices  # [n, Hkv, r]
     q_hat = qb.gather(-1, comp[:, :, None, :].expand(-1, -1, qb.shape[2], -1))  # [n, Hkv, G, r]
     k_hat = kb[None].expand(n, -1, -1, -1).gather(-1, comp[:, :, None, :].expand(-1, -1, length, -1))  # [n,Hkv,L,r]
@@ -319,9 +321,9 @@ def _sparq_rows(q, keys, values, pos, r, k, scale, basis=None):
     v_sel = vf[torch.arange(hkv, device=q.device)[None, :, None], chosen]
     s = (qg @ k_sel.transpose(-1, -2)) * scale  # [n, Hkv, G, k]
     p = torch.softmax(s.masked_fill(~chosen_ok[:, :, None, :], float("-inf")), dim=-1)
-    v_mean = vf.cumsum(1)[:, pos].transpose(0, 1) / (pos + 1)[:, None, None].to(dt)  # [n, Hkv, D]
+    v_mean = vf.cumsum(1)[:, pos].transpose(0, 1) / (pos + 1)[:, None, None].to(q.dtype)  # [n, Hkv, D]
     o = alpha[..., None] * (p @ v_sel) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
-    return o.reshape(n, hq, dim).to(q.dtype)
+    return o.reshape(n, hq, dim)
 
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
