@@ -36,7 +36,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rms_norm needs x [tokens, {weight.shape[0]}] with unit stride, got {tuple(x.shape)}")
     out = torch.empty_like(x)
     if x.shape[0]:
+        early = pdl.enabled(x.device)
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), x.shape[1], eps,
-                                        BLOCK=triton.next_power_of_2(x.shape[1]), PDL=pdl.enabled(x.device),
-                                        launch_pdl=pdl.enabled(x.device), num_warps=4 if x.shape[1] <= 4096 else 8)
+                                        BLOCK=triton.next_power_of_2(x.shape[1]), PDL=early, launch_pdl=early,
+                                        num_warps=4 if x.shape[1] <= 4096 else 8)
     return out

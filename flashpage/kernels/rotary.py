@@ -136,6 +136,7 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
     programs = triton.cdiv(t, tokens)
     # queries and keys in programs side by side while they are few (an H200: at 1-4k tokens faster, at 16k slower)
     split = programs <= 2048
+    early = pdl.enabled(q.device)
     _rope_and_cache_kernel[(programs, 2 if split else 1)](
         q, k, v, cos, sin, kc, vc, ks, vs, sm, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), kc.stride(0) if write else 0, kc.stride(1) if write else 0, kc.stride(2) if write else 0,
@@ -144,5 +145,5 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
         BLOCK_HALF=max(least, triton.next_power_of_2(half)), TOKENS=tokens, ROTATE_KEYS=rotate, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1,
         UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
-        KEYS_PROGRAM=int(split), PDL=pdl.enabled(q.device), launch_pdl=pdl.enabled(q.device))
+        KEYS_PROGRAM=int(split), PDL=early, launch_pdl=early)
     return q, k
