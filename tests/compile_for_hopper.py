@@ -90,12 +90,16 @@ def main() -> None:
                             torch.tensor([0, 2, 4], dtype=torch.int32), lens, 2, query_mask=tree[:4])
         tri.paged_attention(decode[0], KVCache(small_pages.to(torch.int8), small_pages.to(torch.int8),
                                                torch.ones(16, 2, 8), torch.ones(16, 2, 8)), table, decode[1], lens, 1)
-        # SparQ decode (4 and 3 query heads per KV head; r under and at 16) and its cache extras
+        # SparQ decode (4 and 3 query heads per KV head; r under and at 16; the paper's basis and another) and its
+        # cache extras
         sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))
-        for heads, r in ((8, 16), (6, 8)):
-            tri.sparq_attention(rand(2, heads, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=r, k=24)
-        tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
-                               torch.tensor([0, 17, 40], dtype=torch.int32), lens)
+        for basis in (None, rand(2, 128, 128, dtype=dtype)):
+            sparq_cache.sparq_basis = basis
+            for heads, r in ((8, 16), (6, 8)):
+                tri.sparq_attention(rand(2, heads, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=r,
+                                    k=24)
+            tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
+                                   torch.tensor([0, 17, 40], dtype=torch.int32), lens)
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms
         x, w = rand(3, 256, dtype=dtype), rand(256, dtype=dtype)
         tri.rms_norm(x, w, 1e-5)

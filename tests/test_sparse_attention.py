@@ -183,18 +183,23 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
 
 
 @pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits", CASES)
-def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits):
+@pytest.mark.parametrize("turned", [False, True])
+def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, turned):
     """Over a bf16 cache the kernels keep the approximate scores and their sums in fp16 (what they rank), which can
     swap keys that tie within fp16's rounding; on random keys (flat attention) one swap moves a group's output by
     up to a third. So most (sequence, KV head) groups, not all, match the float64 reference on the same bf16 values
-    to bf16 rounding, and none is garbage."""
+    to bf16 rounding, and none is garbage. `turned`: in a basis of each KV head that bf16 holds exactly, a random
+    signed permutation (a general one rounds the turned queries and keys, as the float32 test measures)."""
     torch.manual_seed(sum(lens_k) + r + 1)
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq.write_sparq_copies)
+    signs = torch.randint(0, 2, (hkv, 1, dim)) * 2 - 1
+    perms = torch.stack([torch.eye(dim)[torch.randperm(dim)] for _ in range(hkv)])
+    basis = (perms * signs).bfloat16().to(DEVICE) if turned else None
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq.write_sparq_copies, basis)
     q = torch.randn(len(lens_k), hq, dim, device=DEVICE).bfloat16()
     cu = torch.arange(len(lens_k) + 1, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
-    double = KVCache(cache.k.double(), cache.v.double())
+    double = KVCache(cache.k.double(), cache.v.double(), sparq_basis=None if basis is None else basis.double())
     expect = ref.sparq_attention(q.double(), double, table, cu, seq_lens, 1, r=r, k=k)
     g = hq // hkv
     errs = [rel_err(out[i, h * g:(h + 1) * g], expect[i, h * g:(h + 1) * g]) for i in range(len(lens_k))

@@ -17,8 +17,7 @@ sum, instead of every key and value:
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
    head.
 Decode only: one query per sequence. Steps 1 and 2 see queries and keys in the cache's `sparq_basis` (`k_t` is
-written in it; the queries are turned into it, one small product, before step 1); steps 4 and 5 the keys as
-they are.
+written in it; `_turn_queries` turns the queries into it first); steps 4 and 5 the keys as they are.
 """
 
 from __future__ import annotations
@@ -31,9 +30,28 @@ import triton.language as tl
 
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import sm_count
-from flashpage.kernels.reference import in_basis
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _turn_queries(Q, Basis, Out, num_heads, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """A sequence's query heads of one KV head in that head's basis (Basis [Hkv, D, D], k_t's), into Out [B, Hq, D],
+    rounded to their dtype as the reference's product is. Once per (sequence, KV head), not in every program of
+    the scores: those are one warp each, and the basis is 32 KB."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    heads = h * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rows = (g < GROUP)[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=rows, other=0.0)
+    turn = tl.load(Basis + h * HEAD_DIM * HEAD_DIM + d[:, None] * HEAD_DIM + d[None, :],
+                   mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tile_dot(q, turn, UPCAST)
+    tl.store(Out + (b * num_heads + heads[:, None]) * HEAD_DIM + d[None, :], q.to(Out.dtype.element_ty), mask=rows)
 
 
 @triton.jit
@@ -214,6 +232,12 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num
     tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+def _basis(kv_cache, dtype: torch.dtype) -> torch.Tensor | None:
+    """The cache's sparq_basis [Hkv, D, D] as the kernels read it (contiguous, in the activations' dtype)."""
+    basis = kv_cache.sparq_basis
+    return None if basis is None else basis.to(dtype).contiguous()
+
+
 def _splits(batch: int, kv_heads: int, work: int, device: torch.device) -> int:
     """Programs per (sequence, KV head): about sixteen per SM over the grid (measured on an H100), each with one
     of `work` tiles at least."""
@@ -261,14 +285,19 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     if strided and kv_cache.sparq_basis is not None:
         raise ValueError("strided=True reads the components from K, which is not in the cache's sparq_basis")
     keys = kv_cache.k if strided else kv_cache.k_t
-    q_basis = in_basis(q, kv_cache.sparq_basis)  # the queries that meet k_t
+    basis = _basis(kv_cache, q.dtype)
+    q_basis = q  # the queries that meet k_t
+    if basis is not None:
+        q_basis = torch.empty_like(q)
+        _turn_queries[(batch, hkv)](q, basis, q_basis, hq, q.stride(0), q.stride(1), GROUP=group,
+                                    GROUP_PAD=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, UPCAST=upcast)
     # (block, head, component, token) strides of the keys read
     key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
     _approximate_scores[(batch, hkv, score_splits)](
         q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
-        hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides,
-        GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim,
-        BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
+        hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
+        *key_strides, GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
+        HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         num_warps=score_warps)
     # 3. each key's summed probability; the k most likely keys
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
@@ -300,11 +329,13 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 
 @triton.jit
-def _write_sparq_copies(K, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK, num_kv_heads, stride_kt,
-                        stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """One program per (sequence, KV head): its new keys into k_t, then the running value sums of the blocks it
-    wrote to, in order (each block's from the one before: no other program could supply them in time)."""
+def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK, num_kv_heads,
+                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per (sequence, KV head): its new keys (turned into the KV head's basis, with HAS_BASIS) into
+    k_t, then the running value sums of the blocks it wrote to, in order (each block's from the one before: no
+    other program could supply them in time)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(CuSeqlensQ + b)
@@ -312,10 +343,14 @@ def _write_sparq_copies(K, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, 
     length = tl.load(SeqLensK + b)
     if length == 0 or q_len == 0:  # a CUDA graph's padding sequence
         return
-    t = tl.arange(0, PAGE_SIZE)
+    t = tl.arange(0, ROWS)  # a page's places, padded to 16 rows for the tensor cores
+    in_page = t < PAGE_SIZE
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     first_new = length - q_len
+    if HAS_BASIS:
+        turn = tl.load(Basis + h * HEAD_DIM * HEAD_DIM + d[:, None] * HEAD_DIM + d[None, :],
+                       mask=d_ok[:, None] & d_ok[None, :], other=0.0)
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     if first_new >= PAGE_SIZE:
         before = tl.load(BlockTable + b * stride_bt + first_new // PAGE_SIZE - 1).to(tl.int64)
@@ -323,15 +358,17 @@ def _write_sparq_copies(K, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, 
     for j in range(first_new // PAGE_SIZE, (length - 1) // PAGE_SIZE + 1):
         block = tl.load(BlockTable + b * stride_bt + j).to(tl.int64)
         pos = j * PAGE_SIZE + t
-        new = (pos >= first_new) & (pos < length)
+        new = in_page & (pos >= first_new) & (pos < length)
         slot = tl.load(SlotMapping + q_start + pos - first_new, mask=new, other=-1)
         new = new & (slot >= 0)
         k = tl.load(K + (q_start + pos - first_new)[:, None] * stride_kt + h * stride_kh + d[None, :],
                     mask=new[:, None] & d_ok[None, :], other=0.0)
+        if HAS_BASIS:  # rounded to the keys' dtype, as the reference's product is
+            k = tile_dot(k, turn, UPCAST).to(K.dtype.element_ty)
         tl.store(KT + ((block * num_kv_heads + h) * HEAD_DIM + d[None, :]) * PAGE_SIZE + t[:, None],
                  k.to(KT.dtype.element_ty), mask=new[:, None] & d_ok[None, :])
         v = tl.load(V + block * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :],
-                    mask=(pos < length)[:, None] & d_ok[None, :], other=0.0)
+                    mask=(in_page & (pos < length))[:, None] & d_ok[None, :], other=0.0)
         total += tl.sum(v.to(tl.float32), 0)
         tl.store(VCumsum + (block * num_kv_heads + h) * HEAD_DIM + d, total, mask=d_ok)
 
@@ -344,8 +381,9 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
         return
     _, page, heads, dim = kv_cache.v.shape
     v = kv_cache.v
-    k = in_basis(k, kv_cache.sparq_basis)
+    basis = _basis(kv_cache, k.dtype)
     _write_sparq_copies[(batch, heads)](
-        k, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
+        k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page)
+        BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page, ROWS=max(page, 16), HAS_BASIS=basis is not None,
+        UPCAST=k.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
