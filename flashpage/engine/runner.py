@@ -194,6 +194,7 @@ class ModelRunner:
     def _calibrate_sparq_bases(self) -> None:
         """Each layer's SparQ basis (`engine.sparse.key_bases`) from the keys of CALIBRATION_TOKENS tokens of real
         text, prefilled densely into a cache of their own (so the bases depend on no engine setting)."""
+        start = time.perf_counter()
         c, bs = self.config, self.block_size
         ids = calibration_ids(self.tokenizer, c.vocab_size, min(CALIBRATION_TOKENS, self.cfg.max_model_len))
         blocks = -(-len(ids) // bs)
@@ -205,6 +206,7 @@ class ModelRunner:
         self.model(inputs.ids, inputs.meta, caches)
         for cache, calibration in zip(self.kv_caches, caches):
             cache.sparq_basis = key_bases(calibration.k.flatten(0, 1)[:len(ids)]).to(self.dtype)
+        log.info("SparQ bases from %d tokens of calibration text in %.2f s", len(ids), time.perf_counter() - start)
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
