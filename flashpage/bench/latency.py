@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     prefill_s = statistics.median(timed_generate(1)[0] for _ in range(args.repeats))
     total_s = statistics.median(timed_generate(args.output_len)[0] for _ in range(args.repeats))
     results["flashpage_ms_per_token"] = (total_s - prefill_s) / (args.output_len - 1) * 1e3
+    if total_s <= prefill_s:  # (seen with --repeats 2 at a 130k-token prompt: one slow run is half the median)
+        print(f"warning: the {args.output_len}-token runs took no longer than the one-token runs ({total_s:.3f} s "
+              f"against {prefill_s:.3f}): ms/token is unusable; rerun with more --repeats", flush=True)
+        results["flashpage_ms_per_token"] = float("nan")
     # first token: prompts no earlier run has seen (a repeated prompt is a prefix-cache hit)
     results["flashpage_ttft_ms"] = 1e3 * statistics.median(
         timed_generate(1, torch.randint(vocab, prompts.shape, generator=gen))[0] for _ in range(args.repeats))
