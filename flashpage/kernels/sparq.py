@@ -232,6 +232,11 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num
     tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
+def _upcast(dtype: torch.dtype) -> bool:
+    """Whether bf16 tiles reach tl.dot as float32: the CPU interpreter multiplies bf16 wrongly (`tile_dot`)."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _basis(kv_cache, dtype: torch.dtype) -> torch.Tensor | None:
     """The cache's sparq_basis [Hkv, D, D] as the kernels read it (contiguous, in the activations' dtype)."""
     basis = kv_cache.sparq_basis
@@ -281,7 +286,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     part_l = torch.empty_like(part_m)
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(dim)
-    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = _upcast(q.dtype)
     if strided and kv_cache.sparq_basis is not None:
         raise ValueError("strided=True reads the components from K, which is not in the cache's sparq_basis")
     keys = kv_cache.k if strided else kv_cache.k_t
@@ -386,4 +391,4 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
         k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page, ROWS=max(page, 16), HAS_BASIS=basis is not None,
-        UPCAST=k.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+        UPCAST=_upcast(k.dtype))
