@@ -117,6 +117,26 @@ def test_engine_features_under_two_ranks(checkpoints):
     assert stats_2["spec_num_accepted_tokens"] == stats_1["spec_num_accepted_tokens"] > 0
 
 
+def test_sparse_attention_under_two_ranks(checkpoints):
+    """SparQ (each rank calibrates the bases of its own KV heads) and block-sparse prefill: two ranks give one's
+    tokens, and count the same fraction of keys read, below all of them."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (200, 90, 150)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for sparse in ({"method": "sparq", "r": 4, "k": 8}, {"method": "block", "local": 1}):
+        results = {}
+        for tp in (1, 2):
+            llm = LLM(checkpoints["gqa"], dtype="float32", device="cpu", tensor_parallel_size=tp, seed=0,
+                      sparse_attention=sparse)
+            try:
+                results[tp] = run(llm, prompts, greedy)[0], llm.stats()["sparse_attention_keys_fraction"]
+            finally:
+                llm.shutdown()
+        (out_1, read_1), (out_2, read_2) = results[1], results[2]
+        assert [[t for t, _ in s] for s in out_2] == [[t for t, _ in s] for s in out_1], sparse
+        assert read_2 == read_1 < 0.9, sparse
+
+
 def test_each_rank_loads_its_shard_of_one_dummy_model():
     """Dummy weights are drawn whole in one order, so the ranks' shards put together are the one-rank model; a
     rank holds about 1/N of it."""
