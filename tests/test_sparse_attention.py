@@ -12,7 +12,7 @@ import torch
 from conftest import DEVICE, engine_from, rel_err
 from flashpage import SamplingParams
 from flashpage.engine.inputs import paged_view
-from flashpage.engine.sparse import key_bases
+from flashpage.engine.sparse import AXIS_WEIGHT, key_bases, sparq_turns
 from flashpage.errors import ParameterError
 from flashpage.kernels import cpu as cpu_kernels
 from flashpage.kernels import reference as ref
@@ -24,20 +24,22 @@ from test_engine import run
 from test_kernels import TOL, paged_case
 
 
-def sparq_by_the_paper(q, keys, values, r, k, scale, basis=None):
+def sparq_by_the_paper(q, keys, values, r, k, scale, basis=None, query_basis=None):
     """One query [Hq, D] over keys/values [L, Hkv, D], float64, head by head as Algorithm 1 of the paper reads,
     the group sharing components (|q| summed) and keys (approximate probabilities summed); with `basis` [Hkv, D,
-    D], the components of q and the keys in it (their columns) for the approximate scores."""
+    D], the components of q and the keys in it (their columns) for the approximate scores; with `query_basis` too,
+    q's in that one instead."""
     hq, hkv = q.shape[0], keys.shape[1]
     group, length = hq // hkv, keys.shape[0]
     out = torch.empty_like(q)
     for h in range(hkv):
         qs = q[h * group:(h + 1) * group]
         turn = basis[h] if basis is not None else torch.eye(q.shape[1], dtype=q.dtype)
-        comp = (qs @ turn).abs().sum(0).topk(r).indices
+        q_turn = query_basis[h] if query_basis is not None else turn
+        comp = (qs @ q_turn).abs().sum(0).topk(r).indices
         probs = []
         for qh in qs:
-            qt = qh @ turn
+            qt = qh @ q_turn
             temp = scale / (qt[comp].abs().sum() / qt.abs().sum()).sqrt()
             probs.append(torch.softmax((keys[:, h] @ turn)[:, comp] @ qt[comp] * temp, 0))
         chosen = torch.stack(probs).sum(0).topk(min(k, length)).indices
@@ -132,6 +134,14 @@ def test_reference_is_the_papers_algorithm():
         want = sparq_by_the_paper(q[pos], keys[:pos + 1], values[:pos + 1], r, k, dim**-0.5, basis)
         assert rel_err(out_b[pos], want) < 1e-12, pos
     assert rel_err(out_b[k:], out[k:]) > 1e-3  # (another basis, other components and keys)
+    w = torch.rand(hkv, 1, dim, dtype=torch.float64) + 0.5  # the axes scaled: 1 / w for keys, w for queries
+    scaled = KVCache(cache.k, cache.v, sparq_basis=basis / w, sparq_query_basis=basis * w)
+    out_w = ref.sparq_attention(q, scaled, table, torch.tensor([0, length]), torch.tensor([length]), length, r=r,
+                                k=k)
+    for pos in (5, k, 47, length - 1):
+        want = sparq_by_the_paper(q[pos], keys[:pos + 1], values[:pos + 1], r, k, dim**-0.5, basis / w, basis * w)
+        assert rel_err(out_w[pos], want) < 1e-12, pos
+    assert rel_err(out_w[k:], out_b[k:]) > 1e-3
     every = [ref.sparq_attention(q, c, table, torch.tensor([0, length]), torch.tensor([length]), length, r=dim, k=k)
              for c in (cache, turned)]
     assert rel_err(every[0], every[1]) < 1e-12  # all components: exact scores, in any basis
@@ -148,6 +158,13 @@ def test_key_bases_are_principal_axes():
     moments = ref.in_basis(keys, basis).pow(2).mean(0)  # [Hkv, D]
     assert bool((moments[:, :-1] >= moments[:, 1:] * (1 - 1e-5)).all())
     assert bool((moments[:, 0] > 50 * moments[:, -1]).all())
+    # SparQ's turns: q''.k'' = q.k, and the queries' components weighed by the keys' RMS along their axes
+    key_turn, query_turn = sparq_turns(keys)
+    q = torch.randn(7, 2, 16)
+    assert rel_err(torch.einsum("qhd,khd->hqk", ref.in_basis(q, query_turn), ref.in_basis(keys, key_turn)),
+                   torch.einsum("qhd,khd->hqk", q, keys)) < 1e-5
+    weights = ref.in_basis(q, query_turn) / ref.in_basis(q, basis)  # [7, Hkv, D]: the same for every query
+    assert rel_err(weights, (moments.sqrt() ** AXIS_WEIGHT).expand_as(weights)) < 1e-4
 
 
 @pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits", CASES)
@@ -157,9 +174,13 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
     `turned`: in a random basis of each KV head."""
     torch.manual_seed(sum(lens_k) + r)
-    basis = random_basis(hkv, dim) if turned else None
+    basis = query_basis = None
+    if turned:  # the engine's kind: an orthonormal basis, its axes scaled by w for queries and 1 / w for keys
+        axes, w = random_basis(hkv, dim), torch.rand(hkv, 1, dim, device=DEVICE) + 0.5
+        basis, query_basis = axes / w, axes * w
     check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis))
     cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis)
+    cache.sparq_query_basis = query_basis
     check_sparq_extras(cache, table, seq_lens)
     q = torch.randn(len(lens_k) + 1, hq, dim, device=DEVICE)
     table = torch.cat([table, torch.zeros_like(table[:1])])
@@ -167,7 +188,7 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     cu = torch.arange(len(lens_k) + 2, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
-    double = KVCache(cache.k.double(), cache.v.double(), sparq_basis=basis)
+    double = KVCache(cache.k.double(), cache.v.double(), sparq_basis=basis, sparq_query_basis=query_basis)
     expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k)
     assert rel_err(out[:-1], expect) < 1e-5
     if turned:
@@ -250,9 +271,14 @@ def test_sparq_engine(smollm_llm):
     caches = engine.runner.kv_caches  # each layer's basis, from the calibration text's keys (key_bases)
     assert all(c.sparq_basis.shape == (3, 64, 64) for c in caches) and rel_err(caches[0].sparq_basis,
                                                                               caches[1].sparq_basis) > 0.1
+    assert all((c.sparq_query_basis.transpose(1, 2) @ c.sparq_basis - torch.eye(64)).abs().max() < 1e-3
+               for c in caches)  # (the queries' turn keeps q.k)
     paper_engine = engine_from(smollm_llm, sparse_attention=paper)
     assert all(c.sparq_basis is None for c in paper_engine.runner.kv_caches)
-    assert tokens(paper_engine, [prompt], [greedy])[0][0] != alone
+    scored = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    logprobs = [[next(iter(d.values())).logprob for d in run(e, [prompt], [scored])[0].outputs[0].logprobs]
+                for e in (engine, paper_engine)]
+    assert max(abs(a - b) for a, b in zip(*logprobs)) > 1e-3  # (the basis changes what SparQ attends to)
     plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.05).stats()["kv_blocks_total"]
     with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, sparse_attention=paper).stats()["kv_blocks_total"]
     assert plain * 0.6 < with_extras < plain * 0.7  # (K + V + K again + a float32 sum per block and head)

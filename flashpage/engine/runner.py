@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from flashpage.engine.config import EngineConfig
 from flashpage.engine.inputs import prepare_inputs, upload
 from flashpage.engine.sampler import sample_rows
-from flashpage.engine.sparse import CALIBRATION_TOKENS, calibration_ids, key_bases
+from flashpage.engine.sparse import CALIBRATION_TOKENS, calibration_ids, sparq_turns
 from flashpage.engine.spec import target_feature_layers
 from flashpage.engine.step import SampledToken, SampleRow, SampleSpec, SeqStep, StepPlan, StepResult
 from flashpage.kernels.fp8 import check_fp8_support
@@ -192,7 +192,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _calibrate_sparq_bases(self) -> None:
-        """Each layer's SparQ basis (`engine.sparse.key_bases`) from the keys of CALIBRATION_TOKENS tokens of real
+        """Each layer's SparQ turns (`engine.sparse.sparq_turns`) from the keys of CALIBRATION_TOKENS tokens of real
         text, prefilled densely into a cache of their own (so the bases depend on no engine setting)."""
         start = time.perf_counter()
         c, bs = self.config, self.block_size
@@ -205,7 +205,8 @@ class ModelRunner:
         inputs = prepare_inputs(plan, bs, self.device)
         self.model(inputs.ids, inputs.meta, caches)
         for cache, calibration in zip(self.kv_caches, caches):
-            cache.sparq_basis = key_bases(calibration.k.flatten(0, 1)[:len(ids)]).to(self.dtype)
+            turns = sparq_turns(calibration.k.flatten(0, 1)[:len(ids)])
+            cache.sparq_basis, cache.sparq_query_basis = (t.to(self.dtype) for t in turns)
         log.info("SparQ bases from %d tokens of calibration text in %.2f s", len(ids), time.perf_counter() - start)
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:

@@ -4,8 +4,9 @@
   sparq_attention`): each decoded token reads r components of every cached key, then k whole keys and values.
   `"prompt": true` applies it to the prompt's tokens too, as if each were decoded in turn (how the quality table
   scores it; the CPU and PyTorch kernels only). `"basis": "pca"` (the default) chooses the components in each
-  layer's and KV head's principal axes of its keys (`key_bases`), measured as the engine starts on
-  CALIBRATION_TOKENS tokens of real text; `"none"` in the keys' own components, as the paper does.
+  layer's and KV head's principal axes of its keys, each query component weighed by the keys' spread along its
+  axis (`sparq_turns`), measured as the engine starts on CALIBRATION_TOKENS tokens of real text; `"none"` in the
+  keys' own components, as the paper does.
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
@@ -117,6 +118,20 @@ def key_bases(keys: torch.Tensor) -> torch.Tensor:
     k = keys.double().transpose(0, 1)  # [Hkv, T, D]
     _, vectors = torch.linalg.eigh(k.transpose(1, 2) @ k)  # ascending eigenvalues
     return vectors.flip(-1).float().contiguous()
+
+
+AXIS_WEIGHT = 0.5  # the power of the keys' RMS that weighs each axis (SmolLM2: docs/sparse-attention.md)
+
+
+def sparq_turns(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparQ's default turns for keys [T, Hkv, D], float32 [Hkv, D, D]: the keys' P diag(1/w) and the queries'
+    P diag(w), P the principal axes (`key_bases`), w_i the keys' RMS along axis i to the power AXIS_WEIGHT. Then
+    q''.k'' = q.k, and the r largest |q''_i| = |q'_i| w_i weigh each of the query's components by how large keys are
+    along its axis: by |q'_i| alone, a large component where keys are small is chosen and finds little of q.k."""
+    axes = key_bases(keys)
+    rms = torch.einsum("thd,hde->the", keys.float(), axes).pow(2).mean(0).sqrt()  # [Hkv, D]
+    w = rms.clamp_min(1e-3 * rms.amax(-1, keepdim=True)).pow(AXIS_WEIGHT)
+    return (axes / w[:, None, :]).contiguous(), (axes * w[:, None, :]).contiguous()
 
 
 @dataclass

@@ -267,8 +267,9 @@ def in_basis(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
                     out=None, rows_per_chunk=64):
     """SparQ attention (Ribar et al., 2024), each query row over its sequence's keys up to its own position (as if
-    every row were decoded in turn). Per row and KV head, with queries and keys in the cache's `sparq_basis` for
-    steps 1 and 2 (q.k is the same in any orthonormal basis; the paper's is the identity):
+    every row were decoded in turn). Per row and KV head, with the keys turned by the cache's `sparq_basis` and the
+    queries by its `sparq_query_basis` (the inverse transpose, so q.k is kept; the paper's basis is the identity)
+    for steps 1 and 2:
     1. the r components where the group's queries are largest in magnitude (|q| summed over the group's heads);
     2. approximate scores from those components of every key, each head's softmax temperature scaled by
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
@@ -283,6 +284,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     page = kv_cache.block_size
     dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
     basis = None if kv_cache.sparq_basis is None else kv_cache.sparq_basis.to(dt)
+    query_basis = basis if kv_cache.sparq_query_basis is None else kv_cache.sparq_query_basis.to(dt)
     for i, len_k in enumerate(lens_k):
         pages = read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype)
         keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in pages)
@@ -290,18 +292,18 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
-            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, scale, basis)
+            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, scale, query_basis)
     return out
 
 
-def _sparq_rows(q, keys, turned, values, pos, r, k, scale, basis):
-    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D] and the keys in `basis` ([Hkv, D, D] or None),
-    all of one dtype. Returns [n, Hq, D]."""
+def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis):
+    """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D], `turned` the keys as the approximate scores see
+    them and `query_basis` ([Hkv, D, D] or None) the queries' turn, all of one dtype. Returns [n, Hq, D]."""
     n, hq, dim = q.shape
     length, hkv, _ = keys.shape
     qg = q.view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
     kf, vf = keys.transpose(0, 1), values.transpose(0, 1)  # [Hkv, L, D]
-    qb = in_basis(q, basis).view(n, hkv, hq // hkv, dim)  # (the approximate scores' queries and keys)
+    qb = in_basis(q, query_basis).view(n, hkv, hq // hkv, dim)  # (the approximate scores' queries and keys)
     kb = turned.transpose(0, 1)
     comp = qb.abs().sum(2).topk(min(r, dim), dim=-1).indices  # [n, Hkv, r]
     q_hat = qb.gather(-1, comp[:, :, None, :].expand(-1, -1, qb.shape[2], -1))  # [n, Hkv, G, r]

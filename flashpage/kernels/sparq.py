@@ -16,8 +16,9 @@ sum, instead of every key and value:
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
    head.
-Decode only: one query per sequence. Steps 1 and 2 see queries and keys in the cache's `sparq_basis` (`k_t` is
-written in it; `_turn_queries` turns the queries into it first); steps 4 and 5 the keys as they are.
+Decode only: one query per sequence. Steps 1 and 2 see the keys turned by the cache's `sparq_basis` (`k_t` is
+written so) and the queries by its `sparq_query_basis` (`_turn_queries`, first); steps 4 and 5 the keys as they
+are.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _turn_queries(Q, Basis, Out, num_heads, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """A sequence's query heads of one KV head in that head's basis (Basis [Hkv, D, D], k_t's), into Out [B, Hq, D],
-    rounded to their dtype as the reference's product is. Once per (sequence, KV head), not in every program of
-    the scores: those are one warp each, and the basis is 32 KB."""
+    """A sequence's query heads of one KV head turned by that head's Basis [Hkv, D, D] (the queries' turn), into
+    Out [B, Hq, D], rounded to their dtype as the reference's product is. Once per (sequence, KV head), not in every
+    program of the scores: those are one warp each, and the basis is 32 KB."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -237,9 +238,8 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _basis(kv_cache, dtype: torch.dtype) -> torch.Tensor | None:
-    """The cache's sparq_basis [Hkv, D, D] as the kernels read it (contiguous, in the activations' dtype)."""
-    basis = kv_cache.sparq_basis
+def _basis(basis: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A SparQ turn [Hkv, D, D] as the kernels read it (contiguous, in the activations' dtype)."""
     return None if basis is None else basis.to(dtype).contiguous()
 
 
@@ -290,7 +290,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     if strided and kv_cache.sparq_basis is not None:
         raise ValueError("strided=True reads the components from K, which is not in the cache's sparq_basis")
     keys = kv_cache.k if strided else kv_cache.k_t
-    basis = _basis(kv_cache, q.dtype)
+    basis = _basis(kv_cache.sparq_query_basis if kv_cache.sparq_query_basis is not None else kv_cache.sparq_basis,
+                   q.dtype)
     q_basis = q  # the queries that meet k_t
     if basis is not None:
         q_basis = torch.empty_like(q)
@@ -386,7 +387,7 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
         return
     _, page, heads, dim = kv_cache.v.shape
     v = kv_cache.v
-    basis = _basis(kv_cache, k.dtype)
+    basis = _basis(kv_cache.sparq_basis, k.dtype)
     _write_sparq_copies[(batch, heads)](
         k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,

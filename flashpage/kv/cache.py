@@ -20,9 +20,10 @@ components of every key reads r runs of block_size contiguous values instead of 
 every key's row (which costs as much as reading the whole row: the GPU reads memory in 32-byte sectors); and
 `v_cumsum` [num_blocks, num_kv_heads, head_dim] float32, the sum of the sequence's values up to the block's last
 written slot, so that SparQ's mean value is one read per sequence. Both are written with the keys (`write_sparq_copies`).
-`k_t` holds the keys in `sparq_basis` [num_kv_heads, head_dim, head_dim] (orthonormal columns; None: as they
-are), where SparQ chooses its components: the principal axes of each layer's keys put most of a key's energy in
-the first few (`flashpage.engine.sparse.key_bases`).
+`k_t` holds the keys turned by `sparq_basis` [num_kv_heads, head_dim, head_dim] (None: as they are), and the
+queries are turned by `sparq_query_basis` (its inverse transpose, so that q.k is kept; None: `sparq_basis` itself,
+for an orthonormal one); there SparQ chooses its components. The engine's are the principal axes of each layer's
+keys, scaled (`flashpage.engine.sparse.key_bases`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class KVCache:
     k_t: torch.Tensor | None = None  # SparQ: the keys, component-major [num_blocks, num_kv_heads, head_dim, block_size]
     v_cumsum: torch.Tensor | None = None  # SparQ: running value sums [num_blocks, num_kv_heads, head_dim]
     keys_rotated: bool = False  # FP8: keys (and the queries that meet them) rotated as they are written (above)
-    sparq_basis: torch.Tensor | None = None  # SparQ: the basis k_t is in [num_kv_heads, head_dim, head_dim]
+    sparq_basis: torch.Tensor | None = None  # SparQ: the keys' turn into k_t [num_kv_heads, head_dim, head_dim]
+    sparq_query_basis: torch.Tensor | None = None  # SparQ: the queries' turn (None: sparq_basis's)
 
     def __post_init__(self):
         if self.k.dtype in KV_CACHE_DTYPES.values():
