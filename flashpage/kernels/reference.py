@@ -284,7 +284,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     page = kv_cache.block_size
     dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
     basis = None if kv_cache.sparq_basis is None else kv_cache.sparq_basis.to(dt)
-    query_basis = basis if kv_cache.sparq_query_basis is None else kv_cache.sparq_query_basis.to(dt)
+    query_basis = None if kv_cache.sparq_query_turn is None else kv_cache.sparq_query_turn.to(dt)
     for i, len_k in enumerate(lens_k):
         pages = read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype)
         keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in pages)

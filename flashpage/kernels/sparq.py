@@ -290,8 +290,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     if strided and kv_cache.sparq_basis is not None:
         raise ValueError("strided=True reads the components from K, which is not in the cache's sparq_basis")
     keys = kv_cache.k if strided else kv_cache.k_t
-    basis = _basis(kv_cache.sparq_query_basis if kv_cache.sparq_query_basis is not None else kv_cache.sparq_basis,
-                   q.dtype)
+    basis = _basis(kv_cache.sparq_query_turn, q.dtype)
     q_basis = q  # the queries that meet k_t
     if basis is not None:
         q_basis = torch.empty_like(q)

@@ -23,7 +23,7 @@ written slot, so that SparQ's mean value is one read per sequence. Both are writ
 `k_t` holds the keys turned by `sparq_basis` [num_kv_heads, head_dim, head_dim] (None: as they are), and the
 queries are turned by `sparq_query_basis` (its inverse transpose, so that q.k is kept; None: `sparq_basis` itself,
 for an orthonormal one); there SparQ chooses its components. The engine's are the principal axes of each layer's
-keys, scaled (`flashpage.engine.sparse.key_bases`).
+keys, scaled (`flashpage.engine.sparse.sparq_turns`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class KVCache:
     keys_rotated: bool = False  # FP8: keys (and the queries that meet them) rotated as they are written (above)
     sparq_basis: torch.Tensor | None = None  # SparQ: the keys' turn into k_t [num_kv_heads, head_dim, head_dim]
     sparq_query_basis: torch.Tensor | None = None  # SparQ: the queries' turn (None: sparq_basis's)
+
+    @property
+    def sparq_query_turn(self) -> torch.Tensor | None:
+        """The queries' SparQ turn: `sparq_query_basis`, or `sparq_basis` where that is orthonormal (none set)."""
+        return self.sparq_basis if self.sparq_query_basis is None else self.sparq_query_basis
 
     def __post_init__(self):
         if self.k.dtype in KV_CACHE_DTYPES.values():
