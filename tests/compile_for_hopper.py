@@ -130,7 +130,8 @@ def main() -> None:
         inv.flash_attn_varlen(q, k, v, cu, cu, 23, 23)
         # the Hopper prefill (Gluon; the GPU dispatch picks it, CPU tensors never do): contiguous and paged K/V
         # (pages of 16 and of 64 keys), causal or not, with a window or not, FP8, head dims 64 and 128, the short
-        # items' tiles in persistent programs (2 for 4 work items: Q double-buffered) and the others one per item
+        # items' tiles in persistent programs (2 for 4 work items: Q double-buffered) and the others one per item;
+        # Q copied as a box (a group of 4) or gathered (3)
         for dim in (64, 128):
             q, k = rand(40, 8, dim, dtype=dtype), rand(40, 2, dim, dtype=dtype)
             for short, programs in ((True, 2), (False, 10**9)):
@@ -138,6 +139,10 @@ def main() -> None:
                 for causal, window in ((True, (-1, -1)), (False, (-1, -1)), (True, (7, 0))):
                     hopper_prefill.prefill(q, k, k, torch.empty_like(q), cu, cu, None, None, 23, 23, causal=causal,
                                            sm_scale_log2=0.1, window_size=window, tiles=tiles, programs=programs)
+                # a group that does not divide a consumer's rows (SmolLM2's 3): Q gathered, not copied as a box
+                q3 = rand(40, 6, dim, dtype=dtype)
+                hopper_prefill.prefill(q3, k, k, torch.empty_like(q3), cu, cu, None, None, 23, 23, causal=True,
+                                       sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles, programs=programs)
                 hopper_prefill.prefill_fp8(hopper_prefill.quantize_inputs(q, k, k, cu), torch.empty_like(q), cu, 23,
                                            23, causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
                                            programs=programs)

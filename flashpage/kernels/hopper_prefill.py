@@ -11,9 +11,9 @@ takes one item, or, when the sequences are short, one program per SM walks many 
 - K and V tiles come through the tensor copy engine (TMA) into two rings of shared-memory slots (K's, V's) with
   ready / empty barriers, so the loads of later tiles fly while the tensor cores work; K runs a tile ahead of V, as
   the products need them. A paged cache's tile is one copy per page (pages of 16 keys are smaller than a good key
-  tile). The consumers gather Q with asynchronous
-  copies (its rows interleave heads, which no copy-engine box describes for every group size); a persistent
-  program's next item's Q arrives while it computes this one. The output goes out through shared memory, in
+  tile). Each consumer copies its Q in too: one copy-engine box of tokens x the group's heads where the group
+  divides its rows, else a gather of asynchronous copies (a row tile that starts inside a token's heads fits no
+  box); a persistent program's next item's Q arrives while it computes this one. The output goes out through shared memory, in
   16-byte row stores.
 - Both products are warpgroup MMAs (wgmma): S = Q Kᵀ from shared memory, O += P V with P straight from registers.
 - Each consumer's loop is software-pipelined as in FA3: S for the next tile and P V for this one are issued
@@ -201,27 +201,45 @@ def _work_item(t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, wind
 
 
 @gluon.jit
-def _gather_q(q_smem, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: gl.constexpr,
-              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
-    """Start copying work item t's ROWS rows of Q for warpgroup WG (zeros past the sequence) into q_smem: a
-    gather (the rows interleave heads, which no copy-engine box describes), asynchronous, so that a program's
-    next item's Q arrives while it computes this one. Completes with async_copy.wait_group."""
+def _copy_q(q_smem, q_bar, q_desc, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP: gl.constexpr,
+            HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, CAUSAL: gl.constexpr, Q_TMA: gl.constexpr, WG: gl.constexpr):
+    """Start copying work item t's ROWS rows of Q for warpgroup WG into q_smem, asynchronously, so that a
+    program's next item's Q arrives while it computes this one (`_wait_q` waits for it). Q_TMA (the group divides
+    ROWS): one copy-engine box of ROWS / GROUP tokens x the group's heads, which lands in the rows' order (token,
+    head); rows past the sequence hold the next sequence's queries, or zeros past the last, and are never stored.
+    Otherwise a gather (a row tile starts inside a token's heads, which no box describes), zeros past the
+    sequence."""
     seq, kv_head, row0, q_start, q_len = _item_rows(t, n_m, n_kv, CuSeqlensQ, 2 * ROWS, CAUSAL)
     row0 += WG * ROWS
-    layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
-    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    async_copy.async_copy_global_to_shared(q_smem, Q + _row_offsets(rows, d, q_start, kv_head, stride_qt, stride_qh,
-                                                                    GROUP), mask=(rows < q_len * GROUP)[:, None])
-    async_copy.commit_group()
+    if Q_TMA:
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        box = q_smem._reinterpret(q_smem.dtype, q_desc.block_type.shape, q_desc.layout)
+        tma.async_copy_global_to_shared(q_desc, [q_start + row0 // GROUP, kv_head * GROUP, 0], q_bar, box)
+    else:
+        layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+        async_copy.async_copy_global_to_shared(q_smem, Q + _row_offsets(rows, d, q_start, kv_head, stride_qt,
+                                                                        stride_qh, GROUP),
+                                               mask=(rows < q_len * GROUP)[:, None])
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _wait_q(q_bar, phase, Q_TMA: gl.constexpr):
+    """Wait for the Q copy `_copy_q` started (the phase-th on q_bar, with Q_TMA)."""
+    if Q_TMA:
+        mbarrier.wait(q_bar, phase)
+    else:
+        async_copy.wait_group(0)
 
 
 @gluon.jit
 def _q_to_fp16(q_in, q16, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Over an FP8 cache the products run in fp16: a Q tile gathered in the queries' own 16-bit type (q_in),
+    """Over an FP8 cache the products run in fp16: a Q tile copied in the queries' own 16-bit type (q_in),
     rewritten in place as fp16 (q16, the same bytes), clamped to its range as the decode does (NaN stays NaN).
-    The tile is read in the layout `_gather_q` copied it with, so each thread converts what its own copies brought
-    (async_copy.wait_group has seen them land) and rewrites only those: no barrier is needed before or between."""
+    Each thread reads and rewrites the same elements (a gather's: those its own copies brought, which
+    async_copy.wait_group has seen land), so no barrier is needed before or between."""
     x = q_in.load(_row_layout(ROWS, HEAD_DIM, 4)).to(gl.float32)
     q16.store(gl.where(x != x, x, gl.minimum(gl.maximum(x, -65504.0), 65504.0)).to(gl.float16))
 
@@ -475,15 +493,15 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
 
 
 @gluon.jit
-def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, other_turn,
-             CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
+def _consume(Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
+             other_turn, CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
              window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
              CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
-             Q_BUFS: gl.constexpr, WG: gl.constexpr):
+             Q_BUFS: gl.constexpr, Q_TMA: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items. Its Q
-    buffers are q_smem's [WG * Q_BUFS, (WG + 1) * Q_BUFS): with two, the next item's Q is copied in while this
-    item computes."""
+    buffers are q_smem's [WG * Q_BUFS, (WG + 1) * Q_BUFS), each with its barrier in q_bars (Q_TMA): with two,
+    the next item's Q is copied in while this item computes."""
     tile = 0  # key tiles consumed so far, over all of the program's items: the ring's position
     rnd = 0  # turns at the tensor cores so far (an item takes n_tiles + 1)
     j = 0  # the program's items so far
@@ -493,8 +511,8 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, 
     else:
         q_in = q_smem
     if Q_BUFS == 2:
-        _gather_q(q_in.index(WG * 2), Q, gl.program_id(0), n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP,
-                  HEAD_DIM, ROWS, CAUSAL, WG)
+        _copy_q(q_in.index(WG * 2), q_bars.index(WG * 2), q_desc, Q, gl.program_id(0), n_m, n_kv, CuSeqlensQ,
+                stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS, CAUSAL, Q_TMA, WG)
     for t in range(gl.program_id(0), n_items, step):
         seq, kv_head, row0, q_start, q_len, k_start, k_len, lo, hi, n_tiles, has_rows = _work_item(
             t, n_m, n_kv, CuSeqlensQ, CuSeqlensK, SeqLensK, window_left, window_right, GROUP, 2 * ROWS, BLOCK_N,
@@ -502,16 +520,17 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, 
         buf = WG * Q_BUFS + j % Q_BUFS
         if Q_BUFS == 1:
             gl.thread_barrier()  # the previous item's output, staged in this buffer, has been read
-            _gather_q(q_in.index(buf), Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS,
-                      CAUSAL, WG)
-        async_copy.wait_group(0)
+            fence_async_shared()  # (before the copy engine writes where those reads were)
+            _copy_q(q_in.index(buf), q_bars.index(buf), q_desc, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh,
+                    GROUP, HEAD_DIM, ROWS, CAUSAL, Q_TMA, WG)
+        _wait_q(q_bars.index(buf), (j // Q_BUFS) & 1, Q_TMA)
         if FP8_CACHE:
             _q_to_fp16(q_in.index(buf), q_smem.index(buf), ROWS, HEAD_DIM)
         gl.thread_barrier()
         fence_async_shared()  # the tensor cores read shared memory through the async proxy
         if Q_BUFS == 2 and t + step < n_items:  # (the other buffer's last item is done: output read, products too)
-            _gather_q(q_in.index(WG * 2 + (j + 1) % 2), Q, t + step, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh,
-                      GROUP, HEAD_DIM, ROWS, CAUSAL, WG)
+            _copy_q(q_in.index(WG * 2 + (j + 1) % 2), q_bars.index(WG * 2 + (j + 1) % 2), q_desc, Q, t + step, n_m,
+                    n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS, CAUSAL, Q_TMA, WG)
         if has_rows:
             row0 = row0 + WG * ROWS
             _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, k_empty,
@@ -527,19 +546,20 @@ def _consume(Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, 
 # row tiles per sequence follow the step's shape: specialised (1, a multiple of 16, other) they would compile the
 # kernel again while serving, for seconds, whenever one of them changes class.
 @gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
-def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, KScale, VScale,
+def _prefill_kernel(Q, q_desc, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, KScale, VScale,
                     n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PAGED: gl.constexpr,
                     PAGE_SIZE: gl.constexpr,
                     CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
-                    TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr, Q_BUFS: gl.constexpr,
+                    TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr, Q_BUFS: gl.constexpr, Q_TMA: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp (a
     warpgroup over an FP8 cache, FP8_CACHE: _load_fp8_kv). A program takes work items
     program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes several (their Q
     double-buffered), else 1. TILE_LAYOUT: the shared layout of the Q, K and V tiles the tensor cores read;
-    SLOTS8: the 8-bit tiles the copy engine fills ahead of the conversion."""
+    SLOTS8: the 8-bit tiles the copy engine fills ahead of the conversion. Q_TMA: Q's tiles come through q_desc
+    (`_copy_q`)."""
     ROWS: gl.constexpr = BLOCK_M // 2
     # the tensor cores' 16-bit type: the queries', or fp16 over an FP8 cache (e4m3 widens to it exactly)
     dtype: gl.constexpr = gl.float16 if FP8_CACHE else Q.dtype.element_ty
@@ -559,6 +579,9 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
     v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2 * Q_BUFS):
+        mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival from each consumer
@@ -583,14 +606,14 @@ def _prefill_kernel(Q, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, Bl
 
     # the consumers' arguments written out twice: constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
-        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns.index(0),
-                    turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
+        (_consume, (Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    turns.index(0), turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 0)),
-        (_consume, (Q, Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns.index(1),
-                    turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
+                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, Q_TMA, 0)),
+        (_consume, (Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    turns.index(1), turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
                     n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, 1)),
+                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, Q_TMA, 1)),
         (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
                     v_empty,
                     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
@@ -624,7 +647,7 @@ def fp8_cache_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int, int
 
 def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool, items_per_sm: float) -> bool:
     """Whether a row tile sees about 768 keys or fewer on average, or up to 1,536 when there are 16 work items or
-    more per SM. Then a program's fixed costs (the Q gather, the first tile's copies, the output's store) are a
+    more per SM. Then a program's fixed costs (the Q copy, the first tile's copies, the output's store) are a
     large share of its work, and persistent programs (one per SM, each walking many work items, its producer
     copying the next item's first tiles while the consumers finish one, and their Q copied in ahead) hide them;
     with longer items, or fewer of them, the static assignment's imbalance costs more than that saves
@@ -714,6 +737,16 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         v_rows = v.view(hkv * dim, v.shape[-1])
         v_desc = TensorDescriptor(v_rows, list(v_rows.shape), [v_rows.stride(0), 1], [dim, block_n],
                                   gl.NVMMASharedLayout.get_default_for([dim, block_n], _GLUON_DTYPES[v.dtype]))
+    # Q through the copy engine where a consumer's rows are whole tokens' groups of heads, the heads of a token
+    # adjacent and every row 16-byte aligned
+    group, rows = hq // hkv, block_m // 2
+    q_tma = (rows % group == 0 and q.stride(1) == dim and q.stride(2) == 1 and q.data_ptr() % 16 == 0
+             and (q.stride(0) * q.element_size()) % 16 == 0)
+    q_desc = None
+    if q_tma:
+        box = [rows // group, group, dim]
+        q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), box,
+                                  gl.NVMMASharedLayout.get_default_for(box, _GLUON_DTYPES[q.dtype]))
     unused = cu_seqlens_q
     k_scale, v_scale = cache_scales if fp8_cache else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
@@ -728,14 +761,14 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         raise ValueError(f"tiles {(block_m, block_n, regs, k_stages, v_stages)} leave no room for the FP8 cache's "
                          "copies")
     _prefill_kernel[(programs, )](
-        q, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
+        q, q_desc, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
         unused if scales is None else scales, k_scale, v_scale, n_items, n_m, hkv, sm_scale_log2, window_size[0],
         window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         K_STAGES=k_stages, V_STAGES=v_stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
         FP8=scales is not None, FP8_CACHE=fp8_cache,
-        TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, CONSUMER_REGS=regs,
+        TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, Q_TMA=q_tma, CONSUMER_REGS=regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
     return out
 
