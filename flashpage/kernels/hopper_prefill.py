@@ -13,8 +13,9 @@ takes one item, or, when the sequences are short, one program per SM walks many 
   the products need them. A paged cache's tile is one copy per page (pages of 16 keys are smaller than a good key
   tile). Each consumer copies its Q in too: one copy-engine box of tokens x the group's heads where the group
   divides its rows, else a gather of asynchronous copies (a row tile that starts inside a token's heads fits no
-  box); a persistent program's next item's Q arrives while it computes this one. The output goes out through shared memory, in
-  16-byte row stores.
+  box); a persistent program's next item's Q arrives while it computes this one. The output goes out through
+  shared memory: rows that are whole tokens of their sequence in one box the same way, others in 16-byte row
+  stores.
 - Both products are warpgroup MMAs (wgmma): S = Q Kᵀ from shared memory, O += P V with P straight from registers.
 - Each consumer's loop is software-pipelined as in FA3: S for the next tile and P V for this one are issued
   together, and the next tile's softmax runs while the tensor cores still multiply P V; and the two consumers take
@@ -383,11 +384,12 @@ def _v_operand(v_smem, slot, FP8: gl.constexpr):
 
 
 @gluon.jit
-def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, other_turn, Scales,
-                 KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd, sm_scale_log2,
-                 window_left, window_right, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, CAUSAL: gl.constexpr,
-                 WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr, WG: gl.constexpr):
+def _attend_rows(Out, o_desc, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, other_turn,
+                 Scales, KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo, hi, n_tiles, tile, rnd,
+                 sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
+                 O_TMA: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's work item: ROWS rows from row0 (their Q in q_smem) over key tiles [lo, hi), written
     to Out through o_smem (q_smem itself, but for FP8's 8-bit Q). `tile` counts the rings' tiles before this item,
     `rnd` the tensor-core turns. A K slot is released as soon as its scores are in, a V slot after its P V; over an
@@ -481,8 +483,26 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
     if FP8_CACHE:
         out = out * gl.load(VScale + kv_head)
     # through shared memory: from the accumulator's layout a thread would store 4 bytes per row, from a row
-    # layout 16 (docs/kernel-notes.md, "The output through shared memory")
+    # layout 16 (docs/kernel-notes.md, "The output through shared memory"); rows that are whole tokens of the
+    # sequence go out in one copy-engine box (O_TMA: as `_copy_q`'s), others in masked row stores
     o_smem.store(out.to(o_smem.dtype))
+    if O_TMA:
+        if row0 + ROWS <= q_len * GROUP:
+            fence_async_shared()  # (the copy engine reads through the async proxy)
+            gl.thread_barrier()
+            box = o_smem._reinterpret(o_smem.dtype, o_desc.block_type.shape, o_desc.layout)
+            tma.async_copy_shared_to_global(o_desc, [q_start + row0 // GROUP, kv_head * GROUP, 0], box)
+        else:
+            _store_rows(Out, o_smem, row0, q_start, q_len, kv_head, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS)
+    else:
+        _store_rows(Out, o_smem, row0, q_start, q_len, kv_head, stride_ot, stride_oh, GROUP, HEAD_DIM, ROWS)
+
+
+@gluon.jit
+def _store_rows(Out, o_smem, row0, q_start, q_len, kv_head, stride_ot, stride_oh, GROUP: gl.constexpr,
+                HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
+    """The output tile staged in o_smem to Out, read back in a row layout: 16-byte stores, rows past the
+    sequence masked off."""
     gl.thread_barrier()
     layout: gl.constexpr = _row_layout(ROWS, HEAD_DIM, 4)
     out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
@@ -493,12 +513,13 @@ def _attend_rows(Out, q_smem, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
 
 
 @gluon.jit
-def _consume(Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn,
-             other_turn, CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left,
-             window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-             ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
-             CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
-             Q_BUFS: gl.constexpr, Q_TMA: gl.constexpr, WG: gl.constexpr):
+def _consume(Q, q_desc, Out, o_desc, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+             turn, other_turn, CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m, n_kv,
+             sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh,
+             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+             PAGED: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr,
+             FP8_CACHE: gl.constexpr, Q_BUFS: gl.constexpr, Q_TMA: gl.constexpr, O_TMA: gl.constexpr,
+             WG: gl.constexpr):
     """A consumer warpgroup: rows WG * ROWS to (WG + 1) * ROWS of each of the program's work items. Its Q
     buffers are q_smem's [WG * Q_BUFS, (WG + 1) * Q_BUFS), each with its barrier in q_bars (Q_TMA): with two,
     the next item's Q is copied in while this item computes."""
@@ -519,6 +540,8 @@ def _consume(Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_
             PAGED, CAUSAL, WINDOW, FP8)
         buf = WG * Q_BUFS + j % Q_BUFS
         if Q_BUFS == 1:
+            if O_TMA:  # (and sent out)
+                tma.store_wait(0)
             gl.thread_barrier()  # the previous item's output, staged in this buffer, has been read
             fence_async_shared()  # (before the copy engine writes where those reads were)
             _copy_q(q_in.index(buf), q_bars.index(buf), q_desc, Q, t, n_m, n_kv, CuSeqlensQ, stride_qt, stride_qh,
@@ -526,6 +549,8 @@ def _consume(Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_
         _wait_q(q_bars.index(buf), (j // Q_BUFS) & 1, Q_TMA)
         if FP8_CACHE:
             _q_to_fp16(q_in.index(buf), q_smem.index(buf), ROWS, HEAD_DIM)
+        if O_TMA:  # the earlier items' output boxes have been read (this item's epilogue reuses their buffers)
+            tma.store_wait(0)
         gl.thread_barrier()
         fence_async_shared()  # the tensor cores read shared memory through the async proxy
         if Q_BUFS == 2 and t + step < n_items:  # (the other buffer's last item is done: output read, products too)
@@ -533,33 +558,34 @@ def _consume(Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_
                     n_kv, CuSeqlensQ, stride_qt, stride_qh, GROUP, HEAD_DIM, ROWS, CAUSAL, Q_TMA, WG)
         if has_rows:
             row0 = row0 + WG * ROWS
-            _attend_rows(Out, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, k_empty,
+            _attend_rows(Out, o_desc, q_smem.index(buf), o_smem.index(buf), k_smem, v_smem, k_ready, v_ready, k_empty,
                          v_empty, turn, other_turn, Scales, KScale, VScale, row0, q_start, q_len, k_len, kv_head, lo,
                          hi, n_tiles, tile, rnd, sm_scale_log2, window_left, window_right, stride_ot, stride_oh, GROUP,
-                         HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, WG)
+                         HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, O_TMA, WG)
             tile += n_tiles
             rnd += n_tiles + 1
         j += 1
+    tma.store_wait(0)  # (before the program's shared memory goes)
 
 
 # The block table's row stride is its width, the longest sequence of the step in pages; the work items' count and
 # row tiles per sequence follow the step's shape: specialised (1, a multiple of 16, other) they would compile the
 # kernel again while serving, for seconds, whenever one of them changes class.
 @gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
-def _prefill_kernel(Q, q_desc, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales, KScale, VScale,
-                    n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
-                    stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, PAGED: gl.constexpr,
-                    PAGE_SIZE: gl.constexpr,
-                    CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr, FP8_CACHE: gl.constexpr,
-                    TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr, Q_BUFS: gl.constexpr, Q_TMA: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _prefill_kernel(Q, q_desc, k_desc, v_desc, Out, o_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales,
+                    KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                    PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                    FP8: gl.constexpr, FP8_CACHE: gl.constexpr, TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr,
+                    Q_BUFS: gl.constexpr, Q_TMA: gl.constexpr, O_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    PRODUCER_REGS: gl.constexpr):
     """Warp-specialised as in FA3: two consumer warpgroups of BLOCK_M // 2 rows each, and one producer warp (a
     warpgroup over an FP8 cache, FP8_CACHE: _load_fp8_kv). A program takes work items
     program_id, program_id + num_programs, ... (_work_item); Q_BUFS is 2 when it takes several (their Q
     double-buffered), else 1. TILE_LAYOUT: the shared layout of the Q, K and V tiles the tensor cores read;
     SLOTS8: the 8-bit tiles the copy engine fills ahead of the conversion. Q_TMA: Q's tiles come through q_desc
-    (`_copy_q`)."""
+    (`_copy_q`); O_TMA: the outputs of whole tokens go out through o_desc."""
     ROWS: gl.constexpr = BLOCK_M // 2
     # the tensor cores' 16-bit type: the queries', or fp16 over an FP8 cache (e4m3 widens to it exactly)
     dtype: gl.constexpr = gl.float16 if FP8_CACHE else Q.dtype.element_ty
@@ -606,14 +632,16 @@ def _prefill_kernel(Q, q_desc, k_desc, v_desc, Out, CuSeqlensQ, CuSeqlensK, SeqL
 
     # the consumers' arguments written out twice: constexprs inside a tuple built here would turn into values
     gl.warp_specialize([
-        (_consume, (Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                    turns.index(0), turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
-                    n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, Q_TMA, 0)),
-        (_consume, (Q, q_desc, Out, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                    turns.index(1), turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale, n_items, n_m,
-                    n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot, stride_oh, GROUP,
-                    HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, Q_TMA, 1)),
+        (_consume, (Q, q_desc, Out, o_desc, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                    v_empty, turns.index(0), turns.index(1), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale,
+                    n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
+                    stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, Q_TMA,
+                    O_TMA, 0)),
+        (_consume, (Q, q_desc, Out, o_desc, q_smem, q_bars, o_smem, k_smem, v_smem, k_ready, v_ready, k_empty,
+                    v_empty, turns.index(1), turns.index(0), CuSeqlensQ, CuSeqlensK, SeqLensK, Scales, KScale, VScale,
+                    n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt, stride_qh, stride_ot,
+                    stride_oh, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGED, CAUSAL, WINDOW, FP8, FP8_CACHE, Q_BUFS, Q_TMA,
+                    O_TMA, 1)),
         (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
                     v_empty,
                     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
@@ -742,11 +770,18 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     group, rows = hq // hkv, block_m // 2
     q_tma = (rows % group == 0 and q.stride(1) == dim and q.stride(2) == 1 and q.data_ptr() % 16 == 0
              and (q.stride(0) * q.element_size()) % 16 == 0)
-    q_desc = None
+    q_desc = o_desc = None
+    box = [rows // group, group, dim]
     if q_tma:
-        box = [rows // group, group, dim]
         q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), box,
                                   gl.NVMMASharedLayout.get_default_for(box, _GLUON_DTYPES[q.dtype]))
+    # the output likewise, from its 16-bit tile in Q's place (the FP8 forms, whose tiles are laid out otherwise,
+    # keep the row stores: not measured on a GPU with the box)
+    o_tma = (q_tma and scales is None and not fp8_cache and out.dtype == q.dtype and out.stride(1) == dim
+             and out.stride(2) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0)
+    if o_tma:
+        o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), box,
+                                  gl.NVMMASharedLayout.get_default_for(box, _GLUON_DTYPES[out.dtype]))
     unused = cu_seqlens_q
     k_scale, v_scale = cache_scales if fp8_cache else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
@@ -761,14 +796,14 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         raise ValueError(f"tiles {(block_m, block_n, regs, k_stages, v_stages)} leave no room for the FP8 cache's "
                          "copies")
     _prefill_kernel[(programs, )](
-        q, q_desc, k_desc, v_desc, out, cu_seqlens_q, unused if paged else cu_seqlens_k,
+        q, q_desc, k_desc, v_desc, out, o_desc, cu_seqlens_q, unused if paged else cu_seqlens_k,
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
         unused if scales is None else scales, k_scale, v_scale, n_items, n_m, hkv, sm_scale_log2, window_size[0],
         window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0) if paged else 0, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
         K_STAGES=k_stages, V_STAGES=v_stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
         FP8=scales is not None, FP8_CACHE=fp8_cache,
-        TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, Q_TMA=q_tma, CONSUMER_REGS=regs,
+        TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, Q_TMA=q_tma, O_TMA=o_tma, CONSUMER_REGS=regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
     return out
 
