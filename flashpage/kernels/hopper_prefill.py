@@ -719,6 +719,18 @@ def _rows(t: torch.Tensor) -> tuple[list[int], list[int]]:
     return [t.numel() // (t.shape[-2] * t.shape[-1]), t.shape[-2] * t.shape[-1]], [t.stride(-3), 1]
 
 
+def _box_of(t: torch.Tensor, rows: int, group: int) -> TensorDescriptor | None:
+    """A descriptor of t [tokens, Hq, D] whose box is a consumer's tile, rows / group tokens x a group's heads,
+    or None where the copy engine cannot read it (a token's heads not adjacent, a row not 16-byte aligned)."""
+    dim = t.shape[-1]
+    if not (t.stride(1) == dim and t.stride(2) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0):
+        return None
+    box = [rows // group, group, dim]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, _GLUON_DTYPES[t.dtype]))
+
+
 def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, *,
             causal, sm_scale_log2, window_size, tiles=None, programs=None, scales=None, cache_scales=None):
     """Attention of q [total_q, Hq, D] over k/v: packed [total_k, Hkv, D] with cu_seqlens_k, or paged caches
@@ -765,23 +777,15 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         v_rows = v.view(hkv * dim, v.shape[-1])
         v_desc = TensorDescriptor(v_rows, list(v_rows.shape), [v_rows.stride(0), 1], [dim, block_n],
                                   gl.NVMMASharedLayout.get_default_for([dim, block_n], _GLUON_DTYPES[v.dtype]))
-    # Q through the copy engine where a consumer's rows are whole tokens' groups of heads, the heads of a token
-    # adjacent and every row 16-byte aligned
+    # Q through the copy engine where a consumer's rows are whole tokens' groups of heads (`_box_of`); the output
+    # likewise, from its 16-bit tile in Q's place (the FP8 forms, whose tiles are laid out otherwise, keep the row
+    # stores: not measured on a GPU with the box)
     group, rows = hq // hkv, block_m // 2
-    q_tma = (rows % group == 0 and q.stride(1) == dim and q.stride(2) == 1 and q.data_ptr() % 16 == 0
-             and (q.stride(0) * q.element_size()) % 16 == 0)
-    q_desc = o_desc = None
-    box = [rows // group, group, dim]
-    if q_tma:
-        q_desc = TensorDescriptor(q, list(q.shape), list(q.stride()), box,
-                                  gl.NVMMASharedLayout.get_default_for(box, _GLUON_DTYPES[q.dtype]))
-    # the output likewise, from its 16-bit tile in Q's place (the FP8 forms, whose tiles are laid out otherwise,
-    # keep the row stores: not measured on a GPU with the box)
-    o_tma = (q_tma and scales is None and not fp8_cache and out.dtype == q.dtype and out.stride(1) == dim
-             and out.stride(2) == 1 and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0)
-    if o_tma:
-        o_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), box,
-                                  gl.NVMMASharedLayout.get_default_for(box, _GLUON_DTYPES[out.dtype]))
+    q_desc = _box_of(q, rows, group) if rows % group == 0 else None
+    o_desc = None
+    if q_desc is not None and scales is None and not fp8_cache and out.dtype == q.dtype:
+        o_desc = _box_of(out, rows, group)
+    q_tma, o_tma = q_desc is not None, o_desc is not None
     unused = cu_seqlens_q
     k_scale, v_scale = cache_scales if fp8_cache else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
