@@ -107,6 +107,19 @@ def test_fp8_prefill_inputs_quantize_each_token_into_its_aligned_slot():
     assert not x.k[1:16].float().any() and not x.v_t[:, :, 33:48].float().any()
 
 
+def test_hopper_prefill_persistent_programs_balance_round_robin():
+    """Round-robin over 132 programs hands each program one residue class of row tiles modulo gcd(132, n_m). With
+    GQA 4 (row tiles of 32 tokens, four to a key tile) the classes cost alike and every SM gets a program; with one
+    head per token (MHA: eight row tiles of 128 tokens at S=1k) a class would take row tiles {0, 4} (8 + 4 key
+    tiles) and another {3, 7} (5 + 1), so 131 programs (every class one row tile of each)."""
+    from flashpage.kernels.hopper_prefill import persistent_programs
+    assert persistent_programs(132, 32, 4, 1024, 1024, 128, 128) == 132
+    assert persistent_programs(132, 56, 7, 1024, 1024, 128, 128) == 132  # within 10%: left alone
+    assert persistent_programs(132, 8, 1, 1024, 1024, 128, 128) == 131
+    assert persistent_programs(132, 24, 3, 1024, 1024, 128, 64) == 131  # SmolLM2's group of 3
+    assert persistent_programs(132, 1, 4, 1, 1000, 128, 128) == 132  # one row tile: nothing to balance
+
+
 def test_flash_attn_varlen_empty_batch_and_scale():
     q = rand(0, 4, 64, dtype=torch.float16)
     out = tri.flash_attn_varlen(q, q[:, :2], q[:, :2], cu([]), cu([]), 0, 0)

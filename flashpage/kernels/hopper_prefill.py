@@ -34,6 +34,7 @@ batch invariance, older GPUs, the CPU interpreter) runs on the portable kernel. 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -686,6 +687,27 @@ def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool, items_per_sm
 
 
 @functools.lru_cache
+def persistent_programs(sms: int, n_m: int, group: int, max_seqlen_q: int, max_seqlen_k: int, block_m: int,
+                        block_n: int) -> int:
+    """How many persistent programs walk a causal step's work items. Round-robin hands program p the row tiles m
+    of one residue class modulo gcd(programs, n_m) of every (sequence, KV head), and a row tile's key tiles grow
+    with its rows' positions. One per SM, unless some class's row tiles cost more than 10% above the average
+    (their key tiles, plus four tiles' worth per item for its fixed costs), as with a group of 1 or 3 at 132 SMs:
+    then the most programs below that whose classes are the most even. Smaller imbalances are left alone: there
+    the other count measured 2-7% slower (docs/kernel-notes.md, "Round-robin classes")."""
+    def imbalance(programs):
+        step = math.gcd(programs, n_m)
+        cost = []
+        for m in range(n_m):  # as `_work_item` counts a causal row tile's keys (rows from the last tile down)
+            last_token = ((n_m - 1 - m) * block_m + block_m - 1) // group
+            cost.append(triton.cdiv(min(max_seqlen_k - max_seqlen_q + last_token, max_seqlen_k - 1) + 1, block_n) + 4)
+        return max(sum(cost[r::step]) / len(cost[r::step]) for r in range(step)) / (sum(cost) / n_m)
+    if imbalance(sms) <= 1.1:
+        return sms
+    return min(range(sms - 1, sms - 9, -1), key=lambda programs: (round(imbalance(programs), 3), -programs))
+
+
+@functools.lru_cache
 def _sm90(device: torch.device) -> bool:
     """A Hopper GPU (wgmma and setmaxnreg are sm_90a's). Cached: it is asked on every prefill launch."""
     return torch.cuda.get_device_capability(device) == (9, 0)
@@ -790,7 +812,12 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     k_scale, v_scale = cache_scales if fp8_cache else (unused, unused)
     n_m = triton.cdiv(max_seqlen_q * (hq // hkv), block_m)
     n_items = n_m * hkv * batch
-    programs = min(n_items, programs or (sms if short else n_items))
+    if not programs:
+        programs = n_items
+        if short:
+            programs = (persistent_programs(sms, n_m, hq // hkv, max_seqlen_q, max_seqlen_k, block_m, block_n)
+                        if causal else sms)
+    programs = min(n_items, programs)
     q_bufs = 2 if programs < n_items else 1
     # an FP8 cache's copies run as far ahead as the shared memory the Q tiles and the ring leave allows, up to 4
     # tiles (a few hundred bytes stay for the barriers)
