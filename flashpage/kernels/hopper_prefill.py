@@ -4,7 +4,8 @@ The portable Triton kernel (`flashpage.kernels.attention`) leaves the schedule t
 out at the level FA3 works at. A work item is BLOCK_M rows of one sequence and one KV head, where a row is a
 (query token, query head of that KV head's group) pair, as in the portable kernel: each K/V tile serves the whole
 GQA group, and a decoding sequence in a mixed step takes one item per KV head, not one per query head. A program
-takes one item, or, when the sequences are short, one program per SM walks many (`short_items`).
+takes one item, or, when the sequences are short, about one program per SM walks many (`short_items`,
+`persistent_programs`).
 
 - Warp specialisation: a producer warp only issues copies; two consumer warpgroups (BLOCK_M / 2 rows each) only
   compute, with the registers the producer gives up (setmaxnreg).
@@ -677,7 +678,7 @@ def fp8_cache_tiles(head_dim: int, short: bool) -> tuple[int, int, int, int, int
 def short_items(max_seqlen_q: int, max_seqlen_k: int, causal: bool, items_per_sm: float) -> bool:
     """Whether a row tile sees about 768 keys or fewer on average, or up to 1,536 when there are 16 work items or
     more per SM. Then a program's fixed costs (the Q copy, the first tile's copies, the output's store) are a
-    large share of its work, and persistent programs (one per SM, each walking many work items, its producer
+    large share of its work, and persistent programs (about one per SM, each walking many work items, its producer
     copying the next item's first tiles while the consumers finish one, and their Q copied in ahead) hide them;
     with longer items, or fewer of them, the static assignment's imbalance costs more than that saves
     (docs/kernel-notes.md, "Persistent programs for short sequences" and "Persistent programs up to 1,536
