@@ -696,12 +696,13 @@ def persistent_programs(sms: int, n_m: int, group: int, max_seqlen_q: int, max_s
     (their key tiles, plus four tiles' worth per item for its fixed costs), as with a group of 1 or 3 at 132 SMs:
     then the most programs below that whose classes are the most even. Smaller imbalances are left alone: there
     the other count measured 2-7% slower (docs/kernel-notes.md, "Round-robin classes")."""
+    cost = []
+    for m in range(n_m):  # as `_work_item` counts a causal row tile's keys (rows from the last tile down)
+        last_token = ((n_m - 1 - m) * block_m + block_m - 1) // group
+        cost.append(triton.cdiv(min(max_seqlen_k - max_seqlen_q + last_token, max_seqlen_k - 1) + 1, block_n) + 4)
+
     def imbalance(programs):
         step = math.gcd(programs, n_m)
-        cost = []
-        for m in range(n_m):  # as `_work_item` counts a causal row tile's keys (rows from the last tile down)
-            last_token = ((n_m - 1 - m) * block_m + block_m - 1) // group
-            cost.append(triton.cdiv(min(max_seqlen_k - max_seqlen_q + last_token, max_seqlen_k - 1) + 1, block_n) + 4)
         return max(sum(cost[r::step]) / len(cost[r::step]) for r in range(step)) / (sum(cost) / n_m)
     if imbalance(sms) <= 1.1:
         return sms
