@@ -47,6 +47,7 @@ def main() -> None:
     from flashpage.kernels import batch_invariant as inv
     from flashpage.kernels import hopper_prefill
     from flashpage.kernels import triton_ops as tri
+    from flashpage.kernels.block_sparse import BlockChoice
     from flashpage.kv import KVCache
 
     def rand(*shape, dtype=torch.bfloat16):
@@ -90,6 +91,18 @@ def main() -> None:
                             torch.tensor([0, 2, 4], dtype=torch.int32), lens, 2, query_mask=tree[:4])
         tri.paged_attention(decode[0], KVCache(small_pages.to(torch.int8), small_pages.to(torch.int8),
                                                torch.ones(16, 2, 8), torch.ones(16, 2, 8)), table, decode[1], lens, 1)
+        # key blocks chosen per KV head: a block table per head (prefill, and one-query blocks through the decode
+        # tiles), and the estimate that chooses them (head dims 64 and 128, groups of 4 and 3)
+        per_head = (torch.arange(18, dtype=torch.int32) % 8).view(2, 9)[:, None, :4].expand(2, 2, 4)
+        tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), per_head,
+                            torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5)
+        tri.paged_attention(decode[0], KVCache(cache, cache), per_head, decode[1], lens, 1)
+        choice = BlockChoice(torch.tensor([[0, 0, 0, 9, 40, 1, 1, 1]], dtype=torch.int32),
+                             torch.tensor([[0, 1]], dtype=torch.int32), 2, 1, 64, 8)
+        for dim in (64, 128):
+            pages = rand(8, 16, 2, dim, dtype=dtype)
+            for heads in (8, 6, 16, 2):  # groups of 4, 3, 8 and 1: each count of query blocks per program
+                tri.block_mass(rand(9, heads, dim, dtype=dtype), KVCache(pages, pages), table, choice)
         # SparQ decode (4 and 3 query heads per KV head; r under and at 16; the paper's basis and another) and its
         # cache extras
         sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))
@@ -148,9 +161,10 @@ def main() -> None:
                                            programs=programs)
                 for page in (16, 64):
                     pages = rand(8, page, 2, dim, dtype=dtype)
-                    hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,
-                                           causal=True, sm_scale_log2=0.1, window_size=(-1, -1), tiles=tiles,
-                                           programs=programs)
+                    for pages_of in (table, per_head):  # (one table, or a table per KV head)
+                        hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, pages_of, 23,
+                                               None, causal=True, sm_scale_log2=0.1, window_size=(-1, -1),
+                                               tiles=tiles, programs=programs)
                 # an FP8 cache (a scale per KV head), with its own tiles
                 pages, ones = rand(8, 16, 2, dim).to(torch.float8_e4m3fn), torch.ones(2)
                 hopper_prefill.prefill(q, pages, pages, torch.empty_like(q), cu, None, lens, table, 23, None,

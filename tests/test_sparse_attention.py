@@ -4,6 +4,7 @@ prefix caching, copy-on-write, preemption, stats)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,14 +12,14 @@ import torch
 
 from conftest import DEVICE, engine_from, rel_err
 from flashpage import SamplingParams
-from flashpage.engine.inputs import paged_view
+from flashpage.engine.inputs import block_sparse_view
 from flashpage.engine.sparse import AXIS_WEIGHT, key_bases, sparq_turns
 from flashpage.errors import ParameterError
 from flashpage.kernels import cpu as cpu_kernels
 from flashpage.kernels import reference as ref
 from flashpage.kernels import sparq
 from flashpage.kernels import triton_ops as tri
-from flashpage.kernels.block_sparse import BlockSparsePattern
+from flashpage.kernels.block_sparse import BlockSparsePattern, choose_blocks
 from flashpage.kv import KVCache, allocate_kv_caches
 from test_engine import run
 from test_kernels import TOL, paged_case
@@ -313,6 +314,10 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "block", "stride": 1}, {}, "stride 1 would make every block a line"),
     ({"method": "block", "block": 64}, {"block_size": 128}, "block must be a multiple of the cache's block_size"),
     ({"method": "block", "k": 8}, {}, "k does not apply to method block"),
+    ({"method": "block", "density": 1.5}, {}, "density must be a number in"),
+    ({"method": "block", "density": "1/4"}, {}, "density must be a number in"),
+    ({"method": "block", "density": 0.25, "sample": 0}, {}, "sample must be an integer >= 1"),
+    ({"method": "block", "density": 0.25, "stride": 4}, {}, "density and stride do not go together"),
     ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
     ({"method": "sparq", "r": 8, "k": 8, "basis": "svd"}, {}, "basis must be one of pca, none"),
@@ -348,7 +353,8 @@ def test_split_lists_exactly_the_keys_the_pattern_shows():
         page, n = rng.choice([8, 16, 64]), rng.randint(1, 400)
         q = rng.randint(1, n)
         table = rng.sample(range(1000), -(-n // page))
-        q_lens, k_lens, tables = pattern.split([q], [n], [table], page)
+        split = pattern.split([q], [n], [table], page)
+        q_lens, k_lens, tables = split.q_lens, split.k_lens, split.tables
         pos = torch.arange(n)
         want = pattern.visible(pos[n - q:], pos) if q > 1 else pos[None, :] <= n - 1
         got = torch.zeros(q, n, dtype=torch.bool)
@@ -398,14 +404,14 @@ def test_block_sparse_prefill_matches_reference(pattern, lens_k, lens_q, page, h
     out = torch.full_like(q, float("nan"))
     tables = [row[:-(-n // page)].tolist() for row, n in zip(table, seq_lens.tolist())]
     split = pattern.split((cu_q[1:] - cu_q[:-1]).tolist(), seq_lens.tolist(), tables, page)
-    view = paged_view(*split, torch.device(DEVICE))
+    view = block_sparse_view(pattern, split, torch.device(DEVICE))
     tri.paged_attention(q, cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q, out=out)
     double = KVCache(k.double(), v.double())
     want = masked_by_pattern(pattern, q, double, table, cu_q, seq_lens)
     dense = ref.paged_attention(q.double(), double, table, cu_q, seq_lens, max(lens_q))
     assert rel_err(masked_by_pattern(BlockSparsePattern(64, 0, 10**6, 0), q, double, table, cu_q, seq_lens),
                    dense) < 1e-12  # (the oracle itself, with a pattern that hides nothing)
-    cpu_view = paged_view(*split, torch.device("cpu"))
+    cpu_view = block_sparse_view(pattern, split, torch.device("cpu"))
     cpu_out = cpu_kernels.paged_attention(q.cpu().float(), KVCache(k.cpu().float(), v.cpu().float()),
                                           cpu_view.block_table, cpu_view.cu_seqlens_q, cpu_view.seq_lens_k,
                                           cpu_view.max_seqlen_q)
@@ -417,6 +423,144 @@ def test_block_sparse_prefill_matches_reference(pattern, lens_k, lens_q, page, h
     decode = int(cu_q[1])  # the decoding sequence's row sees every key
     if lens_q[1] == 1:
         assert rel_err(out[decode], dense[decode]) < 1e-2
+
+
+CHOOSING = [BlockSparsePattern(64, 1, 2, 0, 0.5, 8), BlockSparsePattern(64, 0, 1, 0, 0.4, 16),
+            BlockSparsePattern(128, 1, 1, 0, 0.75, 8)]
+
+
+def test_split_with_density_keeps_what_positions_say():
+    """A pattern with density: each split sequence's keys are its forced blocks plus a gap for the chosen ones, as
+    many as `kept_blocks` says (a share of the causal blocks, rounded up, never fewer than the forced ones);
+    `keys_seen` counts the same; the choices name the right rows and candidates."""
+    rng = random.Random(1)
+    for _ in range(60):
+        pattern = BlockSparsePattern(64 * rng.randint(1, 2), rng.randint(0, 2), rng.randint(1, 3), 0,
+                                     rng.choice([0.1, 0.25, 0.5, 1.0]), rng.choice([1, 8, 64]))
+        page, lens = rng.choice([16, 64]), [rng.randint(1, 900) for _ in range(3)]
+        q_lens = [rng.randint(1, n) for n in lens]
+        tables = [rng.sample(range(5000), -(-n // page)) for n in lens]
+        split = pattern.split(q_lens, lens, tables, page)
+        assert sum(split.q_lens) == sum(q_lens)
+        rows = iter(range(len(split.q_lens)))
+        choices = {c[0]: c for c in split.choices}
+        first_row = 0
+        for seq, (q, n) in enumerate(zip(q_lens, lens)):
+            if q == 1:
+                assert split.k_lens[next(rows)] == n
+                first_row += 1
+                continue
+            for qb in range((n - q) // pattern.block, -(-n // pattern.block)):
+                r = next(rows)
+                q0, last = max(n - q, qb * pattern.block), min(n, (qb + 1) * pattern.block)
+                sinks, candidates, chosen = pattern.kept_blocks(qb)
+                assert sinks + candidates + min(pattern.local, qb + 1) == qb + 1
+                kept = sinks + chosen + min(pattern.local, qb + 1)
+                assert kept == max(-(-round(pattern.density * 1000 * (qb + 1)) // 1000), kept - chosen)
+                assert split.k_lens[r] == (kept - 1) * pattern.block + last - qb * pattern.block
+                assert int(pattern.keys_seen(torch.tensor([last - 1]))) == split.k_lens[r]
+                if chosen:
+                    assert choices[r] == (r, seq, first_row + q0 - (n - q), last - q0, q0, sinks, candidates, chosen)
+                else:
+                    assert r not in choices
+            first_row += q
+
+
+def mass_by_hand(q, keys, q_pos, block, sample, first, candidates):
+    """Float64: the attention of a query block's queries q [n, Hq, D] at positions q_pos (every `sample`-th from
+    the last) over keys [L, Hkv, D] (causal), summed over the sampled rows and each KV head's group, per candidate
+    block: [Hkv, candidates]."""
+    hkv = keys.shape[1]
+    group = q.shape[1] // hkv
+    rows = torch.arange(q.shape[0] - 1, -1, -sample)
+    s = torch.einsum("shd,khd->hsk", q[rows].double(), keys.double().repeat_interleave(group, 1)) * q.shape[-1] ** -0.5
+    seen = torch.arange(keys.shape[0]) <= q_pos[rows, None]
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).view(hkv, -1, keys.shape[0]).sum(1)
+    return torch.stack([p[:, (first + b) * block:(first + b + 1) * block].sum(-1) for b in range(candidates)], -1)
+
+
+@pytest.mark.parametrize("pattern", CHOOSING)
+@pytest.mark.parametrize("lens_k,lens_q,page,hq,hkv,dim", [
+    ([700, 300, 90], [700, 1, 37], 16, 8, 2, 64),  # a whole prompt, a decode (dense), a chunk after a prefix
+    ([520, 600], [200, 3], 32, 9, 3, 128),  # chunks; three queries take the copy-engine tiles on Hopper
+    ([460], [460], 64, 4, 4, 64),  # pages as large as the pattern's blocks
+])
+def test_chosen_blocks_prefill_matches_reference(pattern, lens_k, lens_q, page, hq, hkv, dim):
+    """Blocks chosen per KV head: `block_mass` (Triton, and the CPU's reference in float32) against the sampled
+    queries' attention computed by hand in float64; the tables `choose_blocks` fills list, per KV head, the forced
+    blocks and the candidates of highest mass; and attention through them (Triton, CPU) equals float64 attention
+    masked per KV head by those blocks, as accurate as the dense kernel is."""
+    torch.manual_seed(sum(lens_k) + pattern.local)
+    k, v, table, seq_lens, cu_q = paged_case(lens_k, lens_q, page, hkv, dim, torch.bfloat16)
+    q = torch.randn(int(cu_q[-1]), hq, dim, device=DEVICE, dtype=torch.bfloat16)
+    cache, double = KVCache(k, v), KVCache(k.double(), v.double())
+    tables = [row[:-(-n // page)].tolist() for row, n in zip(table, seq_lens.tolist())]
+    split = pattern.split((cu_q[1:] - cu_q[:-1]).tolist(), seq_lens.tolist(), tables, page)
+    view = block_sparse_view(pattern, split, torch.device(DEVICE))
+    choice = view.block_choice
+    assert choice is not None and choice.max_chosen >= 1
+    by_hand = torch.full((hkv, len(split.choices), choice.max_candidates), float("-inf"), dtype=torch.float64)
+    for r, (_, seq, q0, n_q, pos0, first, candidates, _) in enumerate(split.choices):
+        keys = ref.read_pages(double, table[seq, :-(-(pos0 + n_q) // page)], torch.float64)[0].flatten(0, 1)
+        by_hand[:, r, :candidates] = mass_by_hand(q[q0:q0 + n_q].cpu(), keys[:pos0 + n_q].cpu(),
+                                                  torch.arange(pos0, pos0 + n_q), pattern.block, pattern.sample,
+                                                  first, candidates)
+    mass = tri.block_mass(q, cache, table, choice)
+    finite = by_hand > float("-inf")
+    assert torch.equal(mass.cpu() > float("-inf"), finite)
+    assert rel_err(mass.cpu()[finite], by_hand[finite]) < 2e-2
+    cpu_q = q.cpu().float()
+    cpu_cache = KVCache(k.cpu().float(), v.cpu().float())
+    cpu_choice = dataclasses.replace(choice, rows=choice.rows.cpu(), runs=choice.runs.cpu())
+    cpu_mass = cpu_kernels.block_mass(cpu_q, cpu_cache, table.cpu(), cpu_choice)
+    assert rel_err(cpu_mass[finite], by_hand[finite]) < 1e-5
+
+    for ops, qq, kv, tab, m, c, tol in ((tri, q, cache, table, mass, choice, None),
+                                        (cpu_kernels, cpu_q, cpu_cache, table.cpu(), cpu_mass, cpu_choice, 1e-5)):
+        rows = view.block_table.to(tab.device)
+        per_head = choose_blocks(ops, qq, kv, tab, rows, c, None)
+        assert per_head.shape == (len(split.q_lens), hkv, rows.shape[1] + 1)
+        want_tables = [[list(t) for _ in range(hkv)] for t in split.tables]
+        for r, (row, seq, _, _, _, first, _, chosen) in enumerate(split.choices):
+            for h in range(hkv):
+                best = sorted(m[h, r].topk(chosen).indices.tolist())
+                per_block = pattern.block // page
+                pages = [tables[seq][(first + b) * per_block + i] for b in best for i in range(per_block)]
+                want_tables[row][h][first * per_block:(first + chosen) * per_block] = pages
+        for r, t in enumerate(want_tables):
+            for h in range(hkv):
+                assert per_head[r, h, :len(t[h])].tolist() == t[h], (r, h)
+        out = torch.full_like(qq, float("nan"))
+        ops.paged_attention(qq, kv, per_head, view.cu_seqlens_q.to(tab.device), view.seq_lens_k.to(tab.device),
+                            view.max_seqlen_q, out=out)
+        want = ref.paged_attention(qq.double(), KVCache(kv.k.double(), kv.v.double()), per_head,
+                                   view.cu_seqlens_q.to(tab.device), view.seq_lens_k.to(tab.device),
+                                   view.max_seqlen_q)
+        if tol is None:  # (Triton: as accurate as its dense kernel against dense attention)
+            dense = ref.paged_attention(q.double(), double, table, cu_q, seq_lens, max(lens_q))
+            tol = 1.5 * rel_err(tri.paged_attention(q, cache, table, cu_q, seq_lens, max(lens_q)), dense)
+        assert rel_err(out, want) < tol
+
+
+def test_per_head_tables_attend_by_hand():
+    """The float64 reference's reading of a table per KV head, written plainly: each KV head's queries over the
+    keys of its own pages (here a random subset of the sequence's pages, per head)."""
+    torch.manual_seed(5)
+    hq, hkv, dim, page = 6, 3, 32, 16
+    k, v, table, seq_lens, cu_q = paged_case([200], [40], page, hkv, dim, torch.float64)
+    pages = [sorted(random.Random(h).sample(range(13), 8)) for h in range(hkv)]
+    per_head = torch.tensor([[[int(table[0, p]) for p in ps] for ps in pages]], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(40, hq, dim, dtype=torch.float64, device=DEVICE)
+    lens = torch.tensor([8 * page], dtype=torch.int32, device=DEVICE)
+    out = ref.paged_attention(q, KVCache(k, v), per_head, cu_q, lens, 40)
+    for h in range(hkv):
+        keys = torch.cat([k[int(table[0, p]), :, h] for p in pages[h]])
+        values = torch.cat([v[int(table[0, p]), :, h] for p in pages[h]])
+        for g in range(hq // hkv):
+            s = q[:, h * 2 + g] @ keys.T / dim ** 0.5
+            pos = torch.arange(len(keys), device=DEVICE)
+            s = s.masked_fill(pos > pos[-40:, None], float("-inf"))
+            assert rel_err(out[:, h * 2 + g], torch.softmax(s, -1) @ values) < 1e-12
 
 
 def test_block_sparse_engine(smollm_llm):
@@ -456,6 +600,49 @@ def test_block_sparse_engine(smollm_llm):
     tokens, lps = generated(engine)
     assert engine.stats()["prefix_cache_hits"] >= 240
     want_tokens, want_lps = generated(engine_from(smollm_llm, sparse_attention=narrow, enable_prefix_caching=False))
+    assert tokens == want_tokens and lps == pytest.approx(want_lps, abs=1e-4)
+
+
+def test_chosen_blocks_engine(smollm_llm):
+    """Key blocks chosen per KV head in the engine: the prompt's log-probs differ from dense attention's and from
+    the forced blocks' alone; the same whole, in chunks of whole blocks, and after a prefix hit of whole blocks; a
+    batch of two prompts gives each what it gives alone; stats count the kept keys."""
+    prompt = real_text(smollm_llm, 300)
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, ignore_eos=True)
+
+    def logprobs(engine, prompts):
+        return [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in run(engine, prompts,
+                                                                                              params)]
+
+    chosen = {"method": "block", "block": 64, "sink": 1, "local": 1, "density": 0.5}
+    engine = engine_from(smollm_llm, sparse_attention=chosen)
+    whole = logprobs(engine, [prompt])[0]
+    positions = torch.arange(len(prompt))
+    pattern = BlockSparsePattern(64, 1, 1, 0, 0.5, 8)
+    assert engine.stats()["sparse_attention_keys_fraction"] == pytest.approx(
+        float(pattern.keys_seen(positions).sum() / (positions + 1).sum()))
+    dense = logprobs(engine_from(smollm_llm), [prompt])[0]
+    forced = logprobs(engine_from(smollm_llm, sparse_attention={**chosen, "density": 0.0}), [prompt])[0]
+    assert max(abs(a - b) for a, b in zip(whole, dense)) > 0.05
+    assert max(abs(a - b) for a, b in zip(whole, forced)) > 0.05
+    chunked = logprobs(engine_from(smollm_llm, sparse_attention=chosen, max_num_batched_tokens=128,
+                                   enable_prefix_caching=False), [prompt])[0]
+    assert chunked == pytest.approx(whole, abs=1e-4)
+    other = real_text(smollm_llm, 200, start=30000)
+    both = logprobs(engine_from(smollm_llm, sparse_attention=chosen), [prompt, other])
+    assert both[0] == pytest.approx(whole, abs=1e-4)
+    assert both[1] == pytest.approx(logprobs(engine_from(smollm_llm, sparse_attention=chosen), [other])[0], abs=1e-4)
+    gen = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+
+    def generated(engine):  # (prompt log-probs would turn prefix caching off)
+        out = run(engine, [prompt], gen)[0].outputs[0]
+        return out.token_ids, [next(iter(e.values())).logprob for e in out.logprobs]
+
+    engine = engine_from(smollm_llm, sparse_attention=chosen)
+    run(engine, [prompt[:256] + other[:20]], gen)  # caches the prompt's first 4 blocks
+    tokens, lps = generated(engine)
+    assert engine.stats()["prefix_cache_hits"] >= 256
+    want_tokens, want_lps = generated(engine_from(smollm_llm, sparse_attention=chosen, enable_prefix_caching=False))
     assert tokens == want_tokens and lps == pytest.approx(want_lps, abs=1e-4)
 
 

@@ -262,7 +262,8 @@ def report(r: dict) -> None:
     if "prefill_floor_ms" in r:
         print(f"first token: {r['flashpage_ttft_ms']:.1f} ms for {r['batch_size']} x {r['input_len']} prompt tokens "
               f"({r['prefill_tflop']:.1f} TFLOP); floor at the measured bf16 matmul rate ({r['matmul_tflops']:.0f} "
-              f"TFLOP/s) {r['prefill_floor_ms']:.1f} ms = {r['prefill_floor_ms'] / r['flashpage_ttft_ms']:.1%} of it")
+              f"TFLOP/s) {r['prefill_floor_ms']:.1f} ms = {r['prefill_floor_ms'] / r['flashpage_ttft_ms']:.1%} of it"
+              f"{' (dense attention counted: sparse attention does less)' if r.get('sparse_attention') else ''}")
     print(f"{'system':<28}{'ms/token':>10}{'tok/s':>10}{'floor/ms':>10}{'flashpage x':>13}")
     ours = r["flashpage_ms_per_token"]
     for name, key in [("flashpage", "flashpage_ms_per_token"), ("gpt-fast style (compiled)", "gpt_fast_ms_per_token"),

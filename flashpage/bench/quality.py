@@ -10,7 +10,8 @@ library's own source (`CODE_MODULES`), and how many of the first 32 greedy token
 pieces of the same text) equal float32's.
 
 `--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
-keys (`bench.sparse.pattern_for`), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
+keys (`bench.sparse.pattern_for`), the same with key blocks chosen per KV head (`CHOSEN_BLOCKS`, density 25% and
+10%), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
 head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if decoded in turn: `"prompt":
 true`): perplexity of the second half of a window of each of --contexts tokens; and a retrieval check: a pass key
 stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at the end, answered greedily
@@ -69,8 +70,15 @@ def passkey_prompt(tokenizer, key: str, tokens: int, depth: float = 0.25) -> str
             f"{PASSKEY_FILLER * (repeats - before)}\nWhat is the pass key? The pass key is")
 
 
+# Blocks chosen per KV head (`--methods chosen`): one sink block, a window of the query's block and the one before,
+# and the blocks of most attention up to the density (docs/sparse-attention.md has how these were chosen)
+CHOSEN_BLOCKS = {"method": "block", "block": 64, "sink": 1, "local": 2}
+
+
 def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int,
-                   methods: tuple[str, ...] = ("sparq", "block")) -> dict:
+                   methods: tuple[str, ...] = ("sparq", "block", "chosen")) -> dict:
+    import torch
+
     from flashpage import LLM, SamplingParams
 
     base = LLM(path, dtype="float32", device="cpu")
@@ -112,6 +120,22 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         print(f"{f'block-sparse {density:.0%}':24s} " +
               " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
               f"  {row['retrieval_hits']}", flush=True)
+    for density in (0.25, 0.10) if "chosen" in methods else ():
+        setting = {**CHOSEN_BLOCKS, "density": density}
+        llm = LLM(path, dtype="float32", device="cpu", sparse_attention=setting)
+        ppl = {n: tail_perplexity(llm, n) for n in contexts}
+        pattern = llm.engine.runner.sparse.pattern
+        kept = {}
+        for n in contexts:
+            pos = torch.arange(min(n, base.config.max_position_embeddings - 1))
+            kept[n] = float(pattern.keys_seen(pos).sum()) / float((pos + 1).sum())
+        row = {"method": "block", "setting": setting, "perplexity": ppl, "keys_fraction": kept,
+               "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm)}
+        result["rows"].append(row)
+        print(f"{f'blocks chosen {density:.0%}':24s} " +
+              " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
+              f"  {row['retrieval_hits']}  (keys kept: " + ", ".join(f"{kept[n]:.1%}" for n in contexts) + ")",
+              flush=True)
     for budget, (per_r, per_k) in SPARQ_BUDGETS.items() if "sparq" in methods else ():
         r = dim // per_r
         ppl = {}
@@ -139,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sparse", action="store_true", help="SparQ attention's cost instead of the quantized modes'")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="--sparse: window sizes, comma-separated")
     p.add_argument("--retrieval-tokens", type=int, default=2000, help="--sparse: the retrieval prompts' length")
-    p.add_argument("--methods", default="block,sparq", help="--sparse: which methods, comma-separated")
+    p.add_argument("--methods", default="block,chosen,sparq", help="--sparse: which methods, comma-separated")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     from pydoc_data.topics import topics

@@ -3,7 +3,9 @@ against the dense paged prefill, same caches, same run.
 
 Block-sparse: one sequence's prompt of 16k/32k/64k tokens prefilled through the paged path (bf16, 32/8 heads,
 head dim 128, block size 16, shuffled), dense and under patterns of blocks of 64 with one sink block, a vertical
-line every 64 blocks and the window that brings the share of causal keys seen nearest 25% and 10%.
+line every 64 blocks and the window that brings the share of causal keys seen nearest 25% and 10%; and with key
+blocks chosen per KV head at densities 25% and 10% (one sink block, a window of two), timed whole: the estimate
+(`block_mass`), the choice (torch's top-k and the tables' fill) and the attention.
 
 bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
@@ -25,10 +27,10 @@ import dataclasses
 import torch
 
 from flashpage.bench.common import median_ms
-from flashpage.engine.inputs import paged_view
-from flashpage.kernels import sparq
+from flashpage.engine.inputs import block_sparse_view
+from flashpage.kernels import sparq, triton_ops
 from flashpage.kernels.attention import choose_num_splits
-from flashpage.kernels.block_sparse import BlockSparsePattern
+from flashpage.kernels.block_sparse import BlockSparsePattern, choose_blocks
 from flashpage.kernels.triton_ops import paged_attention
 from flashpage.kv import KVCache
 
@@ -136,13 +138,34 @@ def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
         pattern = pattern_for(context, density)
         pos = torch.arange(context)
         kept = float(pattern.keys_seen(pos).sum()) / float((pos + 1).sum())
-        view = paged_view(*pattern.split([context], [context], table.tolist(), 16), q.device)
+        view = block_sparse_view(pattern, pattern.split([context], [context], table.tolist(), 16), q.device)
         ms = median_ms(lambda: paged_attention(q, cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k,
                                                view.max_seqlen_q, out=out))
         rows.append({"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__,
                      "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
                      "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /
                      matmul_tflops, "sparse_tflops_on_kept": flops * kept / ms / 1e9})
+    for density in (0.25, 0.10):  # blocks chosen per KV head: the estimate, the choice and the attention, timed
+        pattern = BlockSparsePattern(64, 1, 2, 0, density)
+        pos = torch.arange(context)
+        kept = float(pattern.keys_seen(pos).sum()) / float((pos + 1).sum())
+        view = block_sparse_view(pattern, pattern.split([context], [context], table.tolist(), 16), q.device)
+        choice = view.block_choice
+        mass_ms = median_ms(lambda: triton_ops.block_mass(q, cache, table, choice))
+        chosen = choose_blocks(triton_ops, q, cache, table, view.block_table, choice, None)
+        choose_ms = median_ms(lambda: choose_blocks(triton_ops, q, cache, table, view.block_table, choice, None))
+        attend_ms = median_ms(lambda: paged_attention(q, cache, chosen, view.cu_seqlens_q, view.seq_lens_k,
+                                                      view.max_seqlen_q, out=out))
+
+        def whole():
+            paged_attention(q, cache, choose_blocks(triton_ops, q, cache, table, view.block_table, choice, None),
+                            view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q, out=out)
+        ms = median_ms(whole)
+        rows.append({"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__,
+                     "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
+                     "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /
+                     matmul_tflops, "sparse_tflops_on_kept": flops * kept / attend_ms / 1e9,
+                     "estimate_ms": mass_ms, "estimate_and_choice_ms": choose_ms, "attention_ms": attend_ms})
     return rows
 
 
@@ -150,11 +173,15 @@ def run(copy_tbs: float, matmul_tflops: float, sparq_decode: bool = True) -> lis
     rows = []
     for context in (16384, 32768, 65536):
         rows += bench_block_sparse(context, matmul_tflops)
-    print(f"\n{'block-sparse prefill':22s} {'density':>7s} {'window':>6s} {'dense ms':>9s} {'TFLOP/s':>8s} "
-          f"{'sparse ms':>9s} {'speedup':>8s} {'TFLOP/s on kept':>15s}")
+    print(f"\n{'block-sparse prefill':22s} {'blocks':>6s} {'density':>7s} {'window':>6s} {'dense ms':>9s} "
+          f"{'TFLOP/s':>8s} {'sparse ms':>9s} {'speedup':>8s} {'TFLOP/s on kept':>15s}  estimate + choice ms")
     for r in rows:
-        print(f"{r['shape']:22s} {r['density']:7.1%} {r['pattern']['local']:6d} {r['dense_ms']:9.3f} "
-              f"{r['dense_tflops']:8.0f} {r['ms']:9.3f} {r['speedup_vs_dense']:7.2f}x {r['sparse_tflops_on_kept']:15.0f}")
+        how = "chosen" if r["pattern"]["density"] else "fixed"
+        extra = f"  {r['estimate_ms']:.3f} + {r['estimate_and_choice_ms'] - r['estimate_ms']:.3f}" if how == \
+            "chosen" else ""
+        print(f"{r['shape']:22s} {how:>6s} {r['density']:7.1%} {r['pattern']['local']:6d} {r['dense_ms']:9.3f} "
+              f"{r['dense_tflops']:8.0f} {r['ms']:9.3f} {r['speedup_vs_dense']:7.2f}x "
+              f"{r['sparse_tflops_on_kept']:15.0f}{extra}")
     free = torch.cuda.mem_get_info()[0]
     for batch, context in SHAPES if sparq_decode else []:
         need = 3 * batch * context * HKV * D * 2 * 1.6  # K, V, K again, and room for the step's buffers

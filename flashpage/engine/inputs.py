@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from flashpage.engine.step import StepPlan
-from flashpage.kernels.block_sparse import BlockSparsePattern
+from flashpage.kernels.block_sparse import BlockChoice, BlockSparsePattern, SplitBatch
 from flashpage.kernels.tree import tree_mask
 from flashpage.kv import slot
 from flashpage.model import AttentionMetadata
@@ -88,7 +88,7 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
         meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
     if pattern is not None and any(len(s.token_ids) > 1 for s in seqs):  # (decoding alone stays dense)
         split = pattern.split([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs], block_size)
-        meta.block_sparse = paged_view(*split, device)
+        meta.block_sparse = block_sparse_view(pattern, split, device)
     return StepInputs(ids, meta, logits_index, deferred_t)
 
 
@@ -103,3 +103,11 @@ def paged_view(q_lens: list[int], k_lens: list[int], tables: list[list[int]], de
     packed = upload(cu + k_lens + [b for t in tables for b in t + [0] * (width - len(t))], torch.int32, device)
     cu_t, lens_t, table_t = packed.split([len(cu), len(k_lens), len(tables) * width])
     return AttentionMetadata(cu_t, lens_t, max(q_lens), positions=None, block_table=table_t.view(len(tables), width))
+
+
+def block_sparse_view(pattern: BlockSparsePattern, split: SplitBatch, device: torch.device) -> AttentionMetadata:
+    """`paged_view` of a pattern's split, with the blocks its layers choose (`block_choice`) where it has any."""
+    view = paged_view(split.q_lens, split.k_lens, split.tables, device)
+    if split.choices:
+        view.block_choice = BlockChoice.of(split, pattern, lambda values, dtype: upload(values, dtype, device))
+    return view

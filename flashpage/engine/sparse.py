@@ -10,7 +10,8 @@
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
-  decoding stays dense.
+  decoding stays dense. `"density": 0.25` (instead of lines) adds the key blocks each KV head's queries attend to
+  most, chosen per layer from every `"sample"`-th query's attention, up to that share of the causal blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
 
-METHODS = {"sparq": ("r", "k", "prompt", "basis"), "block": ("block", "sink", "local", "stride")}
+METHODS = {"sparq": ("r", "k", "prompt", "basis"), "block": ("block", "sink", "local", "stride", "density", "sample")}
 BASES = ("pca", "none")
 
 # The text whose keys give SparQ's bases: the standard library's own source (any CPython 3.11+ has it), not the
@@ -45,13 +46,15 @@ class SparseAttentionConfig:
     sink: int = 1  # block: first blocks every query sees
     local: int = 16  # block: the window, in blocks, the query's own included (>= 1)
     stride: int = 0  # block: every stride-th block a vertical line every query sees (0: none)
+    density: float = 0.0  # block: > 0: chosen key blocks too, up to this share of each query block's causal blocks
+    sample: int = 8  # block, with density: every sample-th query estimates which key blocks its block attends to
 
     @property
     def pattern(self) -> BlockSparsePattern | None:
         """The block method's pattern (None for SparQ)."""
         if self.method != "block":
             return None
-        return BlockSparsePattern(self.block, self.sink, self.local, self.stride)
+        return BlockSparsePattern(self.block, self.sink, self.local, self.stride, self.density, self.sample)
 
     @classmethod
     def from_dict(cls, d: dict) -> SparseAttentionConfig:
@@ -80,6 +83,12 @@ class SparseAttentionConfig:
             integer("stride", 0, cls.stride)
             if d.get("stride", 0) == 1:
                 bad("stride", "1 would make every block a line: use dense attention (0: no lines, or >= 2)")
+            density = d.get("density", cls.density)
+            if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 <= density <= 1:
+                bad("density", f"must be a number in [0, 1] (0: a fixed pattern), got {density!r}")
+            integer("sample", 1, cls.sample)
+            if density and d.get("stride", 0):
+                bad("density", "and stride do not go together: chosen blocks take the lines' place")
         return cls(**d)
 
     def check_serves(self, *, head_dim: int, kernels: str, kv_cache_dtype: str, speculative: bool,

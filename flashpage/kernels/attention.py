@@ -179,14 +179,17 @@ def _attend_sequence(
     Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,
     sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
-    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_bt, stride_bth, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr, KV_SCALES: tl.constexpr,
     TREE: tl.constexpr, PAIRS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys."""
+    """One program's work on one sequence: its row tile pid_m of KV head kv_head, over its split of the keys. A
+    block table per KV head ([sequences, KV heads, pages], stride_bth; 0: one table for all heads) serves key
+    blocks chosen per head (`flashpage.kernels.block_sparse`)."""
+    BlockTable += kv_head * stride_bth
     q_start = tl.load(CuSeqlensQ + seq)
     q_len = tl.load(CuSeqlensQ + seq + 1) - q_start
     if pid_m * BLOCK_M >= q_len * GROUP:  # a row tile past this sequence's queries
@@ -290,7 +293,7 @@ def _attention_kernel(
     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,
     num_seqs, sm_scale_log2, window_left, window_right, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh, stride_vb, stride_ot, stride_oh,
-    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_bt, stride_bth, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -311,16 +314,17 @@ def _attention_kernel(
             _attend_sequence(seq, pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse, CuSeqlensQ,
                              CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                              num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt,
-                             stride_vh, stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph,
-                             stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE,
-                             CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
+                             stride_vh, stride_vb, stride_ot, stride_oh, stride_bt, stride_bth, stride_ps, stride_pt,
+                             stride_ph, stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED,
+                             PAGE_SIZE, CAUSAL, NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE, PAIRS,
+                             INTERPRET)
     else:
         _attend_sequence(tl.program_id(1), pid_m, kv_head, split, Q, K, V, KScale, VScale, Out, PartOut, PartLse,
                          CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask, sm_scale_log2, window_left, window_right,
                          num_kv_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_kb, stride_vt, stride_vh,
-                         stride_vb, stride_ot, stride_oh, stride_bt, stride_ps, stride_pt, stride_ph, stride_ls,
-                         stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, NUM_SPLITS,
-                         MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
+                         stride_vb, stride_ot, stride_oh, stride_bt, stride_bth, stride_ps, stride_pt, stride_ph,
+                         stride_ls, stride_lt, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL,
+                         NUM_SPLITS, MASK_EVERY_TILE, TMA, UPCAST, KV_SCALES, TREE, PAIRS, INTERPRET)
 
 
 @triton.jit
@@ -401,6 +405,12 @@ def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
     return (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
 
 
+def _head_stride(block_table: torch.Tensor) -> int:
+    """A block table's stride between KV heads: [sequences, KV heads, pages] gives each head its own pages (key
+    blocks chosen per head); [sequences, pages] one for all."""
+    return block_table.stride(1) if block_table.dim() == 3 else 0
+
+
 def _sm_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
     """The softmax's scale times log2(e): the kernels exponentiate in base 2."""
     return (softmax_scale if softmax_scale is not None else head_dim**-0.5) * _LOG2E
@@ -475,7 +485,8 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
         unused if tree_mask is None else tree_mask, batch, scale, window_size[0],
         window_size[1], hkv,
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0, *part_strides, **common)
+        block_table.stride(0) if paged else 0, _head_stride(block_table) if paged else 0, *part_strides,
+        **common)
     if num_splits > 1:
         # One warp per 32 columns of a head: a merge of many small programs finishes sooner after the last split
         # than one 4-warp program per head (docs/kernel-notes.md).
@@ -536,7 +547,7 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         num_splits = 1
     elif num_splits is None:
         num_splits = choose_num_splits(cu_seqlens_q.numel() - 1, k_cache.shape[2], max_seqlen_q,
-                                       block_table.shape[1] * page, q.device, k_cache.element_size())
+                                       block_table.shape[-1] * page, q.device, k_cache.element_size())
     elif num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out

@@ -15,12 +15,13 @@ import torch.nn.functional as F
 from flashpage.kernels import reference
 from flashpage.kernels.int4 import int4_linear
 from flashpage.kernels.tree import check_query_mask, tree_visible
-from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, composed_linear, flash_attn_varlen,
-                                         greedy, sample, silu_and_mul, sparq_attention, write_sparq_copies)
+from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, block_mass, composed_linear,
+                                         flash_attn_varlen, greedy, sample, silu_and_mul, sparq_attention,
+                                         write_sparq_copies)
 
-__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
-           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul", "sparq_attention",
-           "write_sparq_copies"]
+__all__ = ["apply_penalties", "apply_token_bitmask", "block_mass", "flash_attn_varlen", "greedy", "linear",
+           "paged_attention", "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul",
+           "sparq_attention", "write_sparq_copies"]
 
 
 def rms_norm(x, weight, eps):
@@ -85,7 +86,8 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     if query_mask is not None and q.device.type == "cpu":
         check_query_mask(query_mask, q, causal, window_size)
         return tree_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, query_mask, softmax_scale, out)
-    if max_seqlen_q != 1 or q.shape[0] != batch or query_mask is not None:  # prefill, trees: as the reference
+    if max_seqlen_q != 1 or q.shape[0] != batch or query_mask is not None or block_table.dim() == 3:
+        # prefill, trees, a block table per KV head: as the reference
         return reference.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q,
                                          causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                          out=out, query_mask=query_mask)

@@ -249,7 +249,7 @@ def _q_to_fp16(q_in, q16, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
-             BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP: gl.constexpr,
+             BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, stride_bth, GROUP: gl.constexpr,
              HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr,
              PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, FP8: gl.constexpr):
     """The producer warp: fill the K and V rings, a slot as soon as both consumers are done with it, running on
@@ -263,13 +263,14 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
             PAGED, CAUSAL, WINDOW, FP8)
         if has_rows:
             col = kv_head * HEAD_DIM
-            _fill(k_desc, k_smem, k_ready, k_empty, tile, BlockTable, seq, stride_bt, lo, k_start, k_len, col, PAGED,
+            table = BlockTable + kv_head * stride_bth  # (a table per KV head: key blocks chosen per head)
+            _fill(k_desc, k_smem, k_ready, k_empty, tile, table, seq, stride_bt, lo, k_start, k_len, col, PAGED,
                   PAGE_SIZE, BLOCK_N, False)
             for i in range(n_tiles):
                 if i + 1 < n_tiles:
-                    _fill(k_desc, k_smem, k_ready, k_empty, tile + i + 1, BlockTable, seq, stride_bt,
+                    _fill(k_desc, k_smem, k_ready, k_empty, tile + i + 1, table, seq, stride_bt,
                           lo + (i + 1) * BLOCK_N, k_start, k_len, col, PAGED, PAGE_SIZE, BLOCK_N, False)
-                _fill(v_desc, v_smem, v_ready, v_empty, tile + i, BlockTable, seq, stride_bt, lo + i * BLOCK_N, k_start,
+                _fill(v_desc, v_smem, v_ready, v_empty, tile + i, table, seq, stride_bt, lo + i * BLOCK_N, k_start,
                       k_len, col, PAGED, PAGE_SIZE, BLOCK_N, FP8)
             tile += n_tiles
 
@@ -330,7 +331,7 @@ def _widen_into(src8, ready8, g, ring, ready, empty, BLOCK_N: gl.constexpr, HEAD
 @gluon.jit
 def _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
                  v_empty, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
-                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                 stride_bth, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                  PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer over an FP8 cache, a warpgroup: its copy engine fills the 8-bit slots, copying the tiles up
     to len(k8_smem) - 1 ahead of the one it converts, and it writes each tile's values in fp16 (_widen) into the
@@ -344,13 +345,14 @@ def _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v
             True, CAUSAL, WINDOW, False)
         if has_rows:
             col = kv_head * HEAD_DIM
+            table = BlockTable + kv_head * stride_bth
             for i in range(gl.minimum(SLOTS8 - 1, n_tiles)):
-                _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, tile + i, BlockTable, seq, stride_bt,
+                _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, tile + i, table, seq, stride_bt,
                            lo + i * BLOCK_N, k_len, col, PAGE_SIZE, BLOCK_N)
             for i in range(n_tiles):
                 if i + SLOTS8 - 1 < n_tiles:  # into tile i - 1's slot: converted, every thread passed the barrier
                     _copy_8bit(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, tile + i + SLOTS8 - 1,
-                               BlockTable, seq, stride_bt, lo + (i + SLOTS8 - 1) * BLOCK_N, k_len, col, PAGE_SIZE,
+                               table, seq, stride_bt, lo + (i + SLOTS8 - 1) * BLOCK_N, k_len, col, PAGE_SIZE,
                                BLOCK_N)
                 _widen_into(k8_smem, k8_ready, tile + i, k_smem, k_ready, k_empty, BLOCK_N, HEAD_DIM)
                 _widen_into(v8_smem, v8_ready, tile + i, v_smem, v_ready, v_empty, BLOCK_N, HEAD_DIM)
@@ -360,18 +362,18 @@ def _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v
 @gluon.jit
 def _produce(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
              CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt,
-             GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+             stride_bth, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
              FP8: gl.constexpr, FP8_CACHE: gl.constexpr):
     """The producer partition: _load_fp8_kv over an FP8 cache, else _load_kv."""
     if FP8_CACHE:
         _load_fp8_kv(k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
                      v_empty, CuSeqlensQ, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
-                     stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGE_SIZE, CAUSAL, WINDOW)
+                     stride_bt, stride_bth, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGE_SIZE, CAUSAL, WINDOW)
     else:
         _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, CuSeqlensQ, CuSeqlensK, SeqLensK,
-                 BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, GROUP, HEAD_DIM, ROWS,
-                 BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8)
+                 BlockTable, n_items, n_m, n_kv, window_left, window_right, stride_bt, stride_bth, GROUP, HEAD_DIM,
+                 ROWS, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8)
 
 
 @gluon.jit
@@ -573,10 +575,11 @@ def _consume(Q, q_desc, Out, o_desc, q_smem, q_bars, o_smem, k_smem, v_smem, k_r
 # The block table's row stride is its width, the longest sequence of the step in pages; the work items' count and
 # row tiles per sequence follow the step's shape: specialised (1, a multiple of 16, other) they would compile the
 # kernel again while serving, for seconds, whenever one of them changes class.
-@gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt"])
+@gluon.jit(do_not_specialize=["n_items", "n_m", "stride_bt", "stride_bth"])
 def _prefill_kernel(Q, q_desc, k_desc, v_desc, Out, o_desc, CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, Scales,
                     KScale, VScale, n_items, n_m, n_kv, sm_scale_log2, window_left, window_right, stride_qt,
-                    stride_qh, stride_ot, stride_oh, stride_bt, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    stride_qh, stride_ot, stride_oh, stride_bt, stride_bth, GROUP: gl.constexpr,
+                    HEAD_DIM: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                     PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                     FP8: gl.constexpr, FP8_CACHE: gl.constexpr, TILE_LAYOUT: gl.constexpr, SLOTS8: gl.constexpr,
@@ -647,7 +650,7 @@ def _prefill_kernel(Q, q_desc, k_desc, v_desc, Out, o_desc, CuSeqlensQ, CuSeqlen
         (_produce, (k_desc, v_desc, k8_smem, v8_smem, k8_ready, v8_ready, k_smem, v_smem, k_ready, v_ready, k_empty,
                     v_empty,
                     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, n_items, n_m, n_kv, window_left, window_right,
-                    stride_bt, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8,
+                    stride_bt, stride_bth, GROUP, HEAD_DIM, ROWS, BLOCK_N, PAGED, PAGE_SIZE, CAUSAL, WINDOW, FP8,
                     FP8_CACHE)),
     ], [4, producer_warps], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -758,9 +761,10 @@ def _box_of(t: torch.Tensor, rows: int, group: int) -> TensorDescriptor | None:
 def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, max_seqlen_q, max_seqlen_k, *,
             causal, sm_scale_log2, window_size, tiles=None, programs=None, scales=None, cache_scales=None):
     """Attention of q [total_q, Hq, D] over k/v: packed [total_k, Hkv, D] with cu_seqlens_k, or paged caches
-    [blocks, page, Hkv, D] with seq_lens_k and block_table (max_seqlen_k: None, the table's width stands for
-    it). Writes `out` [total_q, Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent
-    programs; as many as work items: one each) override the choice `short_items` makes. With `scales`, the
+    [blocks, page, Hkv, D] with seq_lens_k and block_table ([sequences, pages], or [sequences, KV heads, pages]
+    for pages chosen per KV head; max_seqlen_k: None, the table's width stands for it). Writes `out` [total_q,
+    Hq, D]; `serves` must hold. `tiles` and `programs` (how many persistent programs; as many as work items: one
+    each) override the choice `short_items` makes. With `scales`, the
     FP8 form (`prefill_fp8`: FP8Inputs). `cache_scales`: an FP8 paged cache's (k_scale, v_scale), one per KV
     head, as `flashpage.kv.KVCache` keeps them."""
     total_q, hq, dim = q.shape
@@ -773,7 +777,7 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     if total_q == 0 or batch == 0:
         return out
     if paged:
-        max_seqlen_k = block_table.shape[1] * k.shape[1]
+        max_seqlen_k = block_table.shape[-1] * k.shape[1]
     # work items of 128 rows (every tile set's BLOCK_M) per SM, counted as if the query rows were packed: a lower
     # bound on the items that have rows, as a mixed step's decoding sequences would inflate max_seqlen_q * batch
     # (CPU tensors: the compile-only check)
@@ -833,8 +837,9 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
         unused if scales is None else scales, k_scale, v_scale, n_items, n_m, hkv, sm_scale_log2, window_size[0],
         window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0, GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        K_STAGES=k_stages, V_STAGES=v_stages, PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
+        block_table.stride(0) if paged else 0, block_table.stride(1) if paged and block_table.dim() == 3 else 0,
+        GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
+        PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
         FP8=scales is not None, FP8_CACHE=fp8_cache,
         TILE_LAYOUT=tile_layout, SLOTS8=slots8, Q_BUFS=q_bufs, Q_TMA=q_tma, O_TMA=o_tma, CONSUMER_REGS=regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)

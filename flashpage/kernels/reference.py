@@ -59,12 +59,40 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     out = torch.empty_like(q) if out is None else out
     cu_q, lens_k = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     page = kv_cache.block_size
+    per_head = block_table.dim() == 3  # [sequences, KV heads, pages]: each KV head's own pages
+    group = q.shape[1] // kv_cache.k.shape[2]
     for i, len_k in enumerate(lens_k):
-        if cu_q[i + 1] == cu_q[i]:
+        rows = slice(cu_q[i], cu_q[i + 1])
+        if rows.start == rows.stop:
             continue
-        k, v = (x.flatten(0, 1)[:len_k] for x in read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype))
-        bits = None if query_mask is None else query_mask[cu_q[i]:cu_q[i + 1]]
-        out[cu_q[i]:cu_q[i + 1]] = _attend(q[cu_q[i]:cu_q[i + 1]], k, v, causal, softmax_scale, window_size, bits)
+        bits = None if query_mask is None else query_mask[rows]
+        for h, table in enumerate(block_table[i] if per_head else block_table[i, None]):
+            k, v = (x.flatten(0, 1)[:len_k] for x in read_pages(kv_cache, table[: -(-len_k // page)], q.dtype))
+            heads = slice(h * group, (h + 1) * group) if per_head else slice(None)
+            if per_head:
+                k, v = k[:, h:h + 1], v[:, h:h + 1]
+            out[rows, heads] = _attend(q[rows, heads], k, v, causal, softmax_scale, window_size, bits)
+    return out
+
+
+def block_mass(q, kv_cache, block_table, choice, softmax_scale=None):
+    """Per query block that chooses key blocks (`choice`: a `block_sparse.BlockChoice`, its rows) and KV head, the
+    attention its sampled queries give each candidate block: every `choice.sample`-th of its queries counted back
+    from its last, each of the group's heads, softmax over all the sequence's keys up to the query, summed per
+    block of `choice.block` keys. float32 [Hkv, R, choice.max_candidates], -inf past a row's candidates."""
+    hkv, page = kv_cache.k.shape[2], kv_cache.block_size
+    group = q.shape[1] // hkv
+    block, sample = choice.block, choice.sample
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out = torch.full((hkv, choice.rows.shape[0], choice.max_candidates), float("-inf"), device=q.device)
+    for r, (_, seq, q0, n_q, pos0, first, candidates, _) in enumerate(choice.rows.tolist()):
+        offsets = torch.arange(n_q - 1, -1, -sample, device=q.device)
+        n_keys = pos0 + n_q
+        keys = read_pages(kv_cache, block_table[seq, :-(-n_keys // page)], torch.float32)[0].flatten(0, 1)[:n_keys]
+        s = torch.einsum("shd,khd->hsk", q[q0 + offsets].float(), keys.repeat_interleave(group, 1)) * scale
+        unseen = torch.arange(n_keys, device=q.device) > pos0 + offsets[:, None]
+        p = torch.softmax(s.masked_fill(unseen, float("-inf")), -1).view(hkv, -1, n_keys).sum(1)
+        out[:, r, :candidates] = p[:, first * block:(first + candidates) * block].view(hkv, candidates, block).sum(-1)
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 
 from flashpage.kernels.activation import silu_and_mul
 from flashpage.kernels.attention import flash_attn_varlen, paged_attention
+from flashpage.kernels.block_sparse import block_mass
 from flashpage.kernels.cache import reshape_and_cache
 from flashpage.kernels.fp8 import FP8, QuantizedRows
 from flashpage.kernels.linear import MAX_ROWS, fp8_linear, skinny_linear
@@ -18,9 +19,9 @@ from flashpage.kernels.rotary import rope_and_cache
 from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, greedy, sample
 from flashpage.kernels.sparq import sparq_attention, write_sparq_copies
 
-__all__ = ["apply_penalties", "apply_token_bitmask", "flash_attn_varlen", "greedy", "linear", "paged_attention",
-           "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul", "sparq_attention",
-           "write_sparq_copies"]
+__all__ = ["apply_penalties", "apply_token_bitmask", "block_mass", "flash_attn_varlen", "greedy", "linear",
+           "paged_attention", "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul",
+           "sparq_attention", "write_sparq_copies"]
 
 # Up to this many rows the Triton kernel with its epilogues is faster than cuBLASLt's FP8 matmul between separate
 # kernels (an H100, llama-3-8b's projections: faster at 197 rows, slower at 256; docs/kernel-notes.md).

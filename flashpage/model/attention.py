@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashpage.kernels.block_sparse import choose_blocks
 from flashpage.kv import KVCache
 
 
@@ -32,6 +33,8 @@ class AttentionMetadata:
     # A block-sparse pattern's view of the batch (`BlockSparsePattern.split`): the paged metadata under which plain
     # causal attention is the pattern's, each block of a prompt chunk's queries a sequence of its own.
     block_sparse: AttentionMetadata | None = None
+    # In that view, the key blocks each layer chooses per KV head (`flashpage.kernels.block_sparse.BlockChoice`)
+    block_choice: object | None = None
 
     @classmethod
     def prefill(cls, seq_lens: list[int], device: torch.device | str = "cpu",
@@ -64,7 +67,10 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                    meta.max_seqlen_q, r=sparse.r, k=sparse.k, softmax_scale=scale)
     view = meta.block_sparse if meta.block_sparse is not None else meta
-    out = ops.paged_attention(q, kv_cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q,
+    table = view.block_table
+    if view.block_choice is not None:  # this layer's keys are cached: choose each KV head's blocks from them
+        table = choose_blocks(ops, q, kv_cache, meta.block_table, table, view.block_choice, scale)
+    out = ops.paged_attention(q, kv_cache, table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q,
                               causal=True, softmax_scale=scale, window_size=window, query_mask=meta.query_mask)
     if sparse is not None:  # a step that prefills some sequences and decodes others: SparQ for the decoding ones
         cu = meta.cu_seqlens_q
