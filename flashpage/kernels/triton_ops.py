@@ -8,7 +8,7 @@ import torch
 
 from flashpage.kernels.activation import silu_and_mul
 from flashpage.kernels.attention import flash_attn_varlen, paged_attention
-from flashpage.kernels.block_sparse import block_mass
+from flashpage.kernels.block_mass import block_mass
 from flashpage.kernels.cache import reshape_and_cache
 from flashpage.kernels.fp8 import FP8, QuantizedRows
 from flashpage.kernels.linear import MAX_ROWS, fp8_linear, skinny_linear
