@@ -97,12 +97,13 @@ def main() -> None:
         tri.paged_attention(rand(9, 8, 128, dtype=dtype), KVCache(cache, cache), per_head,
                             torch.tensor([0, 4, 9], dtype=torch.int32), lens, 5)
         tri.paged_attention(decode[0], KVCache(cache, cache), per_head, decode[1], lens, 1)
-        choice = BlockChoice(torch.tensor([[0, 0, 0, 9, 40, 1, 1, 1]], dtype=torch.int32),
-                             torch.tensor([[0, 1]], dtype=torch.int32), 2, 1, 64, 8)
-        for dim in (64, 128):
-            pages = rand(8, 16, 2, dim, dtype=dtype)
-            for heads in (8, 6, 16, 2):  # groups of 4, 3, 8 and 1: each count of query blocks per program
-                tri.block_mass(rand(9, heads, dim, dtype=dtype), KVCache(pages, pages), table, choice)
+        for one_head in (False, True):  # (each sampled query in all its group's heads, or in one)
+            choice = BlockChoice(torch.tensor([[0, 0, 0, 9, 40, 1, 1, 1]], dtype=torch.int32),
+                                 torch.tensor([[0, 1]], dtype=torch.int32), 2, 1, 64, 8, one_head)
+            for dim in (64, 128):
+                pages = rand(8, 16, 2, dim, dtype=dtype)
+                for heads in (8, 6, 16, 2):  # groups of 4, 3, 8 and 1: each count of query blocks per program
+                    tri.block_mass(rand(9, heads, dim, dtype=dtype), KVCache(pages, pages), table, choice)
         # SparQ decode (4 and 3 query heads per KV head; r under and at 16; the paper's basis and another) and its
         # cache extras
         sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))

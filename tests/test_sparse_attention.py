@@ -318,6 +318,7 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "block", "density": "1/4"}, {}, "density must be a number in"),
     ({"method": "block", "density": 0.25, "sample": 0}, {}, "sample must be an integer >= 1"),
     ({"method": "block", "density": 0.25, "stride": 4}, {}, "density and stride do not go together"),
+    ({"method": "block", "density": 0.25, "sample_heads": "two"}, {}, "sample_heads must be one of all, one"),
     ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
     ({"method": "sparq", "r": 8, "k": 8, "basis": "svd"}, {}, "basis must be one of pca, none"),
@@ -426,7 +427,7 @@ def test_block_sparse_prefill_matches_reference(pattern, lens_k, lens_q, page, h
 
 
 CHOOSING = [BlockSparsePattern(64, 1, 2, 0, 0.5, 8), BlockSparsePattern(64, 0, 1, 0, 0.4, 16),
-            BlockSparsePattern(128, 1, 1, 0, 0.75, 8)]
+            BlockSparsePattern(128, 1, 1, 0, 0.75, 8), BlockSparsePattern(64, 1, 2, 0, 0.5, 4, one_head=True)]
 
 
 def test_split_with_density_keeps_what_positions_say():
@@ -466,17 +467,22 @@ def test_split_with_density_keeps_what_positions_say():
             first_row += q
 
 
-def mass_by_hand(q, keys, q_pos, block, sample, first, candidates):
+def mass_by_hand(q, keys, q_pos, pattern, first, candidates):
     """Float64: the attention of a query block's queries q [n, Hq, D] at positions q_pos (every `sample`-th from
-    the last) over keys [L, Hkv, D] (causal), summed over the sampled rows and each KV head's group, per candidate
-    block: [Hkv, candidates]."""
+    the last) over keys [L, Hkv, D] (causal), summed over the sampled rows and each KV head's group (one_head: the
+    j-th sampled query in the group's head j % group alone), per candidate block: [Hkv, candidates]."""
     hkv = keys.shape[1]
     group = q.shape[1] // hkv
-    rows = torch.arange(q.shape[0] - 1, -1, -sample)
-    s = torch.einsum("shd,khd->hsk", q[rows].double(), keys.double().repeat_interleave(group, 1)) * q.shape[-1] ** -0.5
-    seen = torch.arange(keys.shape[0]) <= q_pos[rows, None]
-    p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).view(hkv, -1, keys.shape[0]).sum(1)
-    return torch.stack([p[:, (first + b) * block:(first + b + 1) * block].sum(-1) for b in range(candidates)], -1)
+    mass = torch.zeros(hkv, keys.shape[0], dtype=torch.float64)
+    for j, row in enumerate(range(q.shape[0] - 1, -1, -pattern.sample)):
+        for head in range(q.shape[1]):
+            if pattern.one_head and head % group != j % group:
+                continue
+            s = keys[:, head // group].double() @ q[row, head].double() * q.shape[-1] ** -0.5
+            mass[head // group] += torch.softmax(s.masked_fill(torch.arange(keys.shape[0]) > q_pos[row],
+                                                               float("-inf")), -1)
+    block = pattern.block
+    return torch.stack([mass[:, (first + b) * block:(first + b + 1) * block].sum(-1) for b in range(candidates)], -1)
 
 
 @pytest.mark.parametrize("pattern", CHOOSING)
@@ -503,8 +509,7 @@ def test_chosen_blocks_prefill_matches_reference(pattern, lens_k, lens_q, page, 
     for r, (_, seq, q0, n_q, pos0, first, candidates, _) in enumerate(split.choices):
         keys = ref.read_pages(double, table[seq, :-(-(pos0 + n_q) // page)], torch.float64)[0].flatten(0, 1)
         by_hand[:, r, :candidates] = mass_by_hand(q[q0:q0 + n_q].cpu(), keys[:pos0 + n_q].cpu(),
-                                                  torch.arange(pos0, pos0 + n_q), pattern.block, pattern.sample,
-                                                  first, candidates)
+                                                  torch.arange(pos0, pos0 + n_q), pattern, first, candidates)
     mass = tri.block_mass(q, cache, table, choice)
     finite = by_hand > float("-inf")
     assert torch.equal(mass.cpu() > float("-inf"), finite)

@@ -11,7 +11,7 @@ pieces of the same text) equal float32's.
 
 `--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
 keys (`bench.sparse.pattern_for`), the same with key blocks chosen per KV head (`CHOSEN_BLOCKS`, density 25% and
-10%), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
+10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
 head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if decoded in turn: `"prompt":
 true`): perplexity of the second half of a window of each of --contexts tokens; and a retrieval check: a pass key
 stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at the end, answered greedily
@@ -75,6 +75,12 @@ def passkey_prompt(tokenizer, key: str, tokens: int, depth: float = 0.25) -> str
 CHOSEN_BLOCKS = {"method": "block", "block": 64, "sink": 1, "local": 2}
 
 
+def fixed_pattern(pattern) -> dict:
+    """The `sparse_attention` setting of a fixed BlockSparsePattern."""
+    return {"method": "block", "block": pattern.block, "sink": pattern.sink, "local": pattern.local,
+            "stride": pattern.stride}
+
+
 def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int,
                    methods: tuple[str, ...] = ("sparq", "block", "chosen")) -> dict:
     import torch
@@ -110,18 +116,18 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         ppl = {}
         for n in contexts:
             pattern = pattern_for(min(n, base.config.max_position_embeddings - 1), density)
-            llm = LLM(path, dtype="float32", device="cpu", sparse_attention={"method": "block", **pattern.__dict__})
+            llm = LLM(path, dtype="float32", device="cpu", sparse_attention=fixed_pattern(pattern))
             ppl[n] = tail_perplexity(llm, n)
         pattern = pattern_for(retrieval_tokens, density)
-        llm = LLM(path, dtype="float32", device="cpu", sparse_attention={"method": "block", **pattern.__dict__})
+        llm = LLM(path, dtype="float32", device="cpu", sparse_attention=fixed_pattern(pattern))
         row = {"method": "block", "density": density, "perplexity": ppl, "ratio": {n: ppl[n] / dense[n] for n in
                contexts}, "retrieval_hits": hits(llm)}
         result["rows"].append(row)
         print(f"{f'block-sparse {density:.0%}':24s} " +
               " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
               f"  {row['retrieval_hits']}", flush=True)
-    for density in (0.25, 0.10) if "chosen" in methods else ():
-        setting = {**CHOSEN_BLOCKS, "density": density}
+    for heads, density in (("all", 0.25), ("all", 0.10), ("one", 0.25), ("one", 0.10)) if "chosen" in methods else ():
+        setting = {**CHOSEN_BLOCKS, "density": density, "sample_heads": heads}
         llm = LLM(path, dtype="float32", device="cpu", sparse_attention=setting)
         ppl = {n: tail_perplexity(llm, n) for n in contexts}
         pattern = llm.engine.runner.sparse.pattern
@@ -132,7 +138,7 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         row = {"method": "block", "setting": setting, "perplexity": ppl, "keys_fraction": kept,
                "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm)}
         result["rows"].append(row)
-        print(f"{f'blocks chosen {density:.0%}':24s} " +
+        print(f"{f'blocks chosen {density:.0%}, {heads} heads':24s} " +
               " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
               f"  {row['retrieval_hits']}  (keys kept: " + ", ".join(f"{kept[n]:.1%}" for n in contexts) + ")",
               flush=True)

@@ -4,8 +4,9 @@ against the dense paged prefill, same caches, same run.
 Block-sparse: one sequence's prompt of 16k/32k/64k tokens prefilled through the paged path (bf16, 32/8 heads,
 head dim 128, block size 16, shuffled), dense and under patterns of blocks of 64 with one sink block, a vertical
 line every 64 blocks and the window that brings the share of causal keys seen nearest 25% and 10%; and with key
-blocks chosen per KV head at densities 25% and 10% (one sink block, a window of two), timed whole: the estimate
-(`block_mass`), the choice (torch's top-k and the tables' fill) and the attention.
+blocks chosen per KV head at densities 25% and 10% (one sink block, a window of two), each sampled query in all its
+group's heads ("chosen") or in one ("chosen1", `"sample_heads": "one"`), timed whole: the estimate (`block_mass`),
+the choice (torch's top-k and the tables' fill) and the attention.
 
 bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
@@ -145,8 +146,9 @@ def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
                      "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
                      "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /
                      matmul_tflops, "sparse_tflops_on_kept": flops * kept / ms / 1e9})
-    for density in (0.25, 0.10):  # blocks chosen per KV head: the estimate, the choice and the attention, timed
-        pattern = BlockSparsePattern(64, 1, 2, 0, density)
+    for density, one_head in ((0.25, False), (0.10, False), (0.25, True), (0.10, True)):
+        # blocks chosen per KV head: the estimate, the choice and the attention, timed
+        pattern = BlockSparsePattern(64, 1, 2, 0, density, one_head=one_head)
         pos = torch.arange(context)
         kept = float(pattern.keys_seen(pos).sum()) / float((pos + 1).sum())
         view = block_sparse_view(pattern, pattern.split([context], [context], table.tolist(), 16), q.device)
@@ -176,9 +178,9 @@ def run(copy_tbs: float, matmul_tflops: float, sparq_decode: bool = True) -> lis
     print(f"\n{'block-sparse prefill':22s} {'blocks':>6s} {'density':>7s} {'window':>6s} {'dense ms':>9s} "
           f"{'TFLOP/s':>8s} {'sparse ms':>9s} {'speedup':>8s} {'TFLOP/s on kept':>15s}  estimate + choice ms")
     for r in rows:
-        how = "chosen" if r["pattern"]["density"] else "fixed"
-        extra = f"  {r['estimate_ms']:.3f} + {r['estimate_and_choice_ms'] - r['estimate_ms']:.3f}" if how == \
-            "chosen" else ""
+        how = ("chosen1" if r["pattern"]["one_head"] else "chosen") if r["pattern"]["density"] else "fixed"
+        extra = f"  {r['estimate_ms']:.3f} + {r['estimate_and_choice_ms'] - r['estimate_ms']:.3f}" if \
+            r["pattern"]["density"] else ""
         print(f"{r['shape']:22s} {how:>6s} {r['density']:7.1%} {r['pattern']['local']:6d} {r['dense_ms']:9.3f} "
               f"{r['dense_tflops']:8.0f} {r['ms']:9.3f} {r['speedup_vs_dense']:7.2f}x "
               f"{r['sparse_tflops_on_kept']:15.0f}{extra}")

@@ -11,7 +11,9 @@
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
   decoding stays dense. `"density": 0.25` (instead of lines) adds the key blocks each KV head's queries attend to
-  most, chosen per layer from every `"sample"`-th query's attention, up to that share of the causal blocks.
+  most, chosen per layer from every `"sample"`-th query's attention, up to that share of the causal blocks
+  (`"sample_heads": "one"`: each sampled query in one of its group's heads, in turn: a group-size times cheaper
+  estimate).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import torch
 from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
 
-METHODS = {"sparq": ("r", "k", "prompt", "basis"), "block": ("block", "sink", "local", "stride", "density", "sample")}
+METHODS = {"sparq": ("r", "k", "prompt", "basis"),
+           "block": ("block", "sink", "local", "stride", "density", "sample", "sample_heads")}
+SAMPLE_HEADS = ("all", "one")
 BASES = ("pca", "none")
 
 # The text whose keys give SparQ's bases: the standard library's own source (any CPython 3.11+ has it), not the
@@ -48,13 +52,15 @@ class SparseAttentionConfig:
     stride: int = 0  # block: every stride-th block a vertical line every query sees (0: none)
     density: float = 0.0  # block: > 0: chosen key blocks too, up to this share of each query block's causal blocks
     sample: int = 8  # block, with density: every sample-th query estimates which key blocks its block attends to
+    sample_heads: str = "all"  # block, with density: each sampled query in all its group's heads, or "one" (in turn)
 
     @property
     def pattern(self) -> BlockSparsePattern | None:
         """The block method's pattern (None for SparQ)."""
         if self.method != "block":
             return None
-        return BlockSparsePattern(self.block, self.sink, self.local, self.stride, self.density, self.sample)
+        return BlockSparsePattern(self.block, self.sink, self.local, self.stride, self.density, self.sample,
+                                  self.sample_heads == "one")
 
     @classmethod
     def from_dict(cls, d: dict) -> SparseAttentionConfig:
@@ -87,6 +93,8 @@ class SparseAttentionConfig:
             if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 <= density <= 1:
                 bad("density", f"must be a number in [0, 1] (0: a fixed pattern), got {density!r}")
             integer("sample", 1, cls.sample)
+            if d.get("sample_heads", cls.sample_heads) not in SAMPLE_HEADS:
+                bad("sample_heads", f"must be one of {', '.join(SAMPLE_HEADS)}, got {d['sample_heads']!r}")
             if density and d.get("stride", 0):
                 bad("density", "and stride do not go together: chosen blocks take the lines' place")
         return cls(**d)

@@ -15,10 +15,10 @@ def _block_mass_kernel(Q, K, BlockTable, Rows, Runs, Out, sm_scale_log2, stride_
                        stride_kh, stride_bt, stride_oh, stride_or, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, SAMPLE: tl.constexpr, SAMPLES: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
                        BLOCK_R: tl.constexpr, SCAN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                       PAGE_SIZE: tl.constexpr, ONE_HEAD: tl.constexpr, UPCAST: tl.constexpr):
     """One program per QUERY_BLOCKS choosing query blocks of one sequence (a part of a run) and KV head: the rows
     of their sampled queries (every SAMPLE-th from each block's last, SAMPLES per block at most, each of the group's
-    heads) as one operand, so the sequence's keys are read once for all of them. The first pass over the keys up
+    heads, or with ONE_HEAD the next head for the next query) as one operand, so the sequence's keys are read once for all of them. The first pass over the keys up
     to the last query finds each row's softmax maximum and sum; the second sums each query block's rows'
     probabilities over each of its candidate blocks."""
     run = tl.program_id(0) // (8 // QUERY_BLOCKS)  # (BlockChoice.GROUP_ROWS)
@@ -27,7 +27,8 @@ def _block_mass_kernel(Q, K, BlockTable, Rows, Runs, Out, sm_scale_log2, stride_
     if r0 < r_end:
         h = tl.program_id(1)
         i = tl.arange(0, BLOCK_R)
-        block_of = i // (SAMPLES * GROUP)  # the row's query block in this program
+        HEADS: tl.constexpr = 1 if ONE_HEAD else GROUP  # rows per sampled query
+        block_of = i // (SAMPLES * HEADS)  # the row's query block in this program
         r = r0 + block_of
         r_ok = (r < r_end) & (block_of < QUERY_BLOCKS)
         seq = tl.load(Rows + r0 * 8 + 1)
@@ -36,12 +37,14 @@ def _block_mass_kernel(Q, K, BlockTable, Rows, Runs, Out, sm_scale_log2, stride_
         pos0 = tl.load(Rows + r * 8 + 4, mask=r_ok, other=0)
         first = tl.load(Rows + r * 8 + 5, mask=r_ok, other=0)
         end = first + tl.load(Rows + r * 8 + 6, mask=r_ok, other=0)  # one past the row's last candidate block
-        offset = n_q - 1 - (i // GROUP % SAMPLES) * SAMPLE  # the row's query within its block
+        sampled = i // HEADS % SAMPLES  # the row's sampled query: the block's last, the SAMPLE-th before it, ...
+        offset = n_q - 1 - sampled * SAMPLE  # its query within its block
+        head = h * GROUP + (sampled if ONE_HEAD else i) % GROUP
         row_ok = r_ok & (offset >= 0)
         q_pos = pos0 + offset
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        q = tl.load(Q + (q0 + offset)[:, None] * stride_qt + (h * GROUP + i % GROUP)[:, None] * stride_qh +
+        q = tl.load(Q + (q0 + offset)[:, None] * stride_qt + head[:, None] * stride_qh +
                     d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:  # (the interpreter multiplies bf16 wrongly)
             q = q.to(tl.float32)
@@ -112,13 +115,14 @@ def block_mass(q, kv_cache, block_table, choice: BlockChoice, softmax_scale=None
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * 1.4426950408889634
     samples = -(-choice.block // choice.sample)
     # query blocks per program: about 128 rows (the tensor cores' operand), a power of two that divides a run
-    query_blocks = 1 << max(0, min(3, (128 // (samples * group)).bit_length() - 1))
-    rows = triton.next_power_of_2(query_blocks * samples * group)
+    per_block = samples * (1 if choice.one_head else group)  # rows
+    query_blocks = 1 << max(0, min(3, (128 // per_block).bit_length() - 1))
+    rows = triton.next_power_of_2(query_blocks * per_block)
     interpret = q.device.type == "cpu"
     _block_mass_kernel[(choice.runs.shape[0] * (BlockChoice.GROUP_ROWS // query_blocks), hkv)](
         q, k, block_table, choice.rows, choice.runs, out, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         k.stride(2), block_table.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), SAMPLE=choice.sample, SAMPLES=samples, QUERY_BLOCKS=query_blocks,
         BLOCK_R=max(16, rows), SCAN_N=64, BLOCK_N=64, BLOCK=choice.block, PAGE_SIZE=page,
-        UPCAST=interpret and q.dtype == torch.bfloat16, num_warps=4, num_stages=3)
+        ONE_HEAD=choice.one_head, UPCAST=interpret and q.dtype == torch.bfloat16, num_warps=4, num_stages=3)
     return out

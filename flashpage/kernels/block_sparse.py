@@ -10,7 +10,8 @@ With `density` instead of lines, each query block also sees the key blocks its q
 KV head and layer as the prompt is prefilled (MInference's block-sparse index, FlexPrefill and XAttention choose
 blocks from an estimate of this kind): up to `density` of its causal blocks in all, the forced ones (sinks,
 window) included. The estimate is the exact attention of every `sample`-th of its queries, counted back from its
-last, summed over the group's heads per key block (`block_mass`: `reference.block_mass`, and in Triton
+last, in each of the group's heads (or, `one_head`, in one of them, the next for the next sampled query), summed
+per key block (`block_mass`: `reference.block_mass`, and in Triton
 `kernels/block_mass.py`).
 
 No kernel knows the pattern. `split` turns a step's sequences into ones whose plain causal attention is the
@@ -37,6 +38,7 @@ class BlockSparsePattern:
     stride: int  # every stride-th block is a vertical line every query sees; 0: none
     density: float = 0.0  # > 0: key blocks chosen per KV head, up to this share of a query block's causal blocks
     sample: int = 8  # with density: every sample-th query of a block estimates which blocks it attends to
+    one_head: bool = False  # with density: each sampled query in one of its group's heads (in turn), not all
 
     def kept_blocks(self, qb: int) -> tuple[int, int, int]:
         """With density: query block qb's (sink blocks, candidates between them and its window, chosen ones)."""
@@ -129,13 +131,14 @@ class BlockChoice:
     """A step's chosen blocks on the device: `SplitBatch.choices` as int32 [R, 8]; the same rows in runs of at
     most GROUP_ROWS of one sequence, as (first row, rows) int32 [runs, 2] (`block_mass` gives a run's query blocks
     to one program or a few, which read the sequence's keys once for all of them); the most candidates and the
-    most chosen blocks of any row; the pattern's block and sample."""
+    most chosen blocks of any row; the pattern's block, sample and one_head."""
     rows: torch.Tensor
     runs: torch.Tensor
     max_candidates: int
     max_chosen: int
     block: int
     sample: int
+    one_head: bool = False
 
     GROUP_ROWS = 8
 
@@ -150,7 +153,7 @@ class BlockChoice:
         flat = upload([x for c in split.choices for x in c] + [x for run in runs for x in run], torch.int32)
         rows, runs_t = flat.split([8 * len(split.choices), 2 * len(runs)])
         return cls(rows.view(-1, 8), runs_t.view(-1, 2), max(c[6] for c in split.choices),
-                   max(c[7] for c in split.choices), pattern.block, pattern.sample)
+                   max(c[7] for c in split.choices), pattern.block, pattern.sample, pattern.one_head)
 
 
 def choose_blocks(ops, q: torch.Tensor, kv_cache, block_table: torch.Tensor, split_table: torch.Tensor,

@@ -79,7 +79,8 @@ def block_mass(q, kv_cache, block_table, choice, softmax_scale=None):
     """Per query block that chooses key blocks (`choice`: a `block_sparse.BlockChoice`, its rows) and KV head, the
     attention its sampled queries give each candidate block: every `choice.sample`-th of its queries counted back
     from its last, each of the group's heads, softmax over all the sequence's keys up to the query, summed per
-    block of `choice.block` keys. float32 [Hkv, R, choice.max_candidates], -inf past a row's candidates."""
+    block of `choice.block` keys; with `choice.one_head`, the j-th sampled query in head j % group of the group
+    only. float32 [Hkv, R, choice.max_candidates], -inf past a row's candidates."""
     hkv, page = kv_cache.k.shape[2], kv_cache.block_size
     group = q.shape[1] // hkv
     block, sample = choice.block, choice.sample
@@ -91,7 +92,11 @@ def block_mass(q, kv_cache, block_table, choice, softmax_scale=None):
         keys = read_pages(kv_cache, block_table[seq, :-(-n_keys // page)], torch.float32)[0].flatten(0, 1)[:n_keys]
         s = torch.einsum("shd,khd->hsk", q[q0 + offsets].float(), keys.repeat_interleave(group, 1)) * scale
         unseen = torch.arange(n_keys, device=q.device) > pos0 + offsets[:, None]
-        p = torch.softmax(s.masked_fill(unseen, float("-inf")), -1).view(hkv, -1, n_keys).sum(1)
+        p = torch.softmax(s.masked_fill(unseen, float("-inf")), -1).view(hkv, group, -1, n_keys)  # [.., S, keys]
+        if choice.one_head:  # sample j in head j % group
+            p = p * (torch.arange(len(offsets), device=q.device) % group == torch.arange(group, device=q.device)[:, None]
+                     )[None, :, :, None]
+        p = p.sum((1, 2))
         out[:, r, :candidates] = p[:, first * block:(first + candidates) * block].view(hkv, candidates, block).sum(-1)
     return out
 
