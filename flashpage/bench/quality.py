@@ -138,7 +138,8 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         row = {"method": "block", "setting": setting, "perplexity": ppl, "keys_fraction": kept,
                "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm)}
         result["rows"].append(row)
-        print(f"{f'blocks chosen {density:.0%}, {heads} heads':24s} " +
+        label = f"blocks chosen {density:.0%}, {'all heads' if heads == 'all' else 'one head'}"
+        print(f"{label:24s} " +
               " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
               f"  {row['retrieval_hits']}  (keys kept: " + ", ".join(f"{kept[n]:.1%}" for n in contexts) + ")",
               flush=True)
