@@ -21,7 +21,7 @@ def _block_mass_kernel(Q, K, BlockTable, Rows, Runs, Out, sm_scale_log2, stride_
     heads, or with ONE_HEAD the next head for the next query) as one operand, so the sequence's keys are read once for all of them. The first pass over the keys up
     to the last query finds each row's softmax maximum and sum; the second sums each query block's rows'
     probabilities over each of its candidate blocks."""
-    run = tl.program_id(0) // (8 // QUERY_BLOCKS)  # (BlockChoice.GROUP_ROWS)
+    run = tl.program_id(0) // (8 // QUERY_BLOCKS)  # (BlockChoice.RUN_LENGTH)
     r0 = tl.load(Runs + run * 2) + tl.program_id(0) % (8 // QUERY_BLOCKS) * QUERY_BLOCKS
     r_end = tl.load(Runs + run * 2) + tl.load(Runs + run * 2 + 1)
     if r0 < r_end:
@@ -119,7 +119,7 @@ def block_mass(q, kv_cache, block_table, choice: BlockChoice, softmax_scale=None
     query_blocks = 1 << max(0, min(3, (128 // per_block).bit_length() - 1))
     rows = triton.next_power_of_2(query_blocks * per_block)
     interpret = q.device.type == "cpu"
-    _block_mass_kernel[(choice.runs.shape[0] * (BlockChoice.GROUP_ROWS // query_blocks), hkv)](
+    _block_mass_kernel[(choice.runs.shape[0] * (BlockChoice.RUN_LENGTH // query_blocks), hkv)](
         q, k, block_table, choice.rows, choice.runs, out, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         k.stride(2), block_table.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), SAMPLE=choice.sample, SAMPLES=samples, QUERY_BLOCKS=query_blocks,

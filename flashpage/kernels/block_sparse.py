@@ -129,7 +129,7 @@ class SplitBatch:
 @dataclass
 class BlockChoice:
     """A step's chosen blocks on the device: `SplitBatch.choices` as int32 [R, 8]; the same rows in runs of at
-    most GROUP_ROWS of one sequence, as (first row, rows) int32 [runs, 2] (`block_mass` gives a run's query blocks
+    most RUN_LENGTH of one sequence, as (first row, rows) int32 [runs, 2] (`block_mass` gives a run's query blocks
     to one program or a few, which read the sequence's keys once for all of them); the most candidates and the
     most chosen blocks of any row; the pattern's block, sample and one_head."""
     rows: torch.Tensor
@@ -140,14 +140,14 @@ class BlockChoice:
     sample: int
     one_head: bool = False
 
-    GROUP_ROWS = 8
+    RUN_LENGTH = 8
 
     @classmethod
     def of(cls, split: SplitBatch, pattern: BlockSparsePattern, upload) -> BlockChoice:
         """`upload(list, dtype)`: a flat host list as a device tensor."""
         runs = []
         for r, c in enumerate(split.choices):
-            if not runs or runs[-1][1] == cls.GROUP_ROWS or split.choices[runs[-1][0]][1] != c[1]:
+            if not runs or runs[-1][1] == cls.RUN_LENGTH or split.choices[runs[-1][0]][1] != c[1]:
                 runs.append([r, 0])
             runs[-1][1] += 1
         flat = upload([x for c in split.choices for x in c] + [x for run in runs for x in run], torch.int32)
