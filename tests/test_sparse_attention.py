@@ -319,6 +319,7 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "block", "density": 0.25, "sample": 0}, {}, "sample must be an integer >= 1"),
     ({"method": "block", "density": 0.25, "stride": 4}, {}, "density and stride do not go together"),
     ({"method": "block", "density": 0.25, "sample_heads": "two"}, {}, "sample_heads must be one of all, one"),
+    ({"method": "block", "sample": 4}, {}, "sample applies with density only"),
     ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
     ({"method": "sparq", "r": 8, "k": 8, "basis": "svd"}, {}, "basis must be one of pca, none"),

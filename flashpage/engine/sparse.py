@@ -97,6 +97,9 @@ class SparseAttentionConfig:
                 bad("sample_heads", f"must be one of {', '.join(SAMPLE_HEADS)}, got {d['sample_heads']!r}")
             if density and d.get("stride", 0):
                 bad("density", "and stride do not go together: chosen blocks take the lines' place")
+            for key in ("sample", "sample_heads"):
+                if key in d and not density:
+                    bad(key, "applies with density only (how the chosen key blocks are estimated)")
         return cls(**d)
 
     def check_serves(self, *, head_dim: int, kernels: str, kv_cache_dtype: str, speculative: bool,
