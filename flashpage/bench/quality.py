@@ -11,12 +11,12 @@ pieces of the same text) equal float32's.
 
 `--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
 keys (`bench.sparse.pattern_for`), the same with key blocks chosen per KV head (`CHOSEN_BLOCKS`, density 25% and
-10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of the dense decode's K/V bytes (r = 1/8 or 1/4 of the
-head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if decoded in turn: `"prompt":
-true`): perplexity of the second half of a window of each of --contexts tokens; and a retrieval check: a pass key
-stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at the end, answered greedily
-(`passkey_prompt`; SparQ decodes the answer over a densely prefilled prompt, as served; block-sparse prefills the
-prompt, the answer decoded densely), hits out of 10.
+10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of the dense decode's K/V
+bytes (r = 1/8 or 1/4 of the head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if
+decoded in turn: `"prompt": true`): perplexity of the second half of a window of each of --contexts tokens; and a
+retrieval check: a pass key stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at
+the end, answered greedily (`passkey_prompt`; SparQ decodes the answer over a densely prefilled prompt, as served;
+block-sparse prefills the prompt, the answer decoded densely), hits out of 10.
 """
 
 from __future__ import annotations

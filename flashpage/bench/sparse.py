@@ -134,6 +134,13 @@ def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
     out = torch.empty_like(q)
     dense_ms = median_ms(lambda: paged_attention(q, cache, table, cu, lens, context, out=out))
     flops = 4 * HQ * context * context * D / 2
+
+    def row(pattern, kept, ms, attend_ms):  # (attend_ms: the attention alone, whose kept tiles' rate is given)
+        return {"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__, "density": kept,
+                "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms, "dense_tflops": flops / dense_ms /
+                1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 / matmul_tflops,
+                "sparse_tflops_on_kept": flops * kept / attend_ms / 1e9}
+
     rows = []
     for density in (0.25, 0.10):
         pattern = pattern_for(context, density)
@@ -142,10 +149,7 @@ def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
         view = block_sparse_view(pattern, pattern.split([context], [context], table.tolist(), 16), q.device)
         ms = median_ms(lambda: paged_attention(q, cache, view.block_table, view.cu_seqlens_q, view.seq_lens_k,
                                                view.max_seqlen_q, out=out))
-        rows.append({"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__,
-                     "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
-                     "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /
-                     matmul_tflops, "sparse_tflops_on_kept": flops * kept / ms / 1e9})
+        rows.append(row(pattern, kept, ms, ms))
     for density, one_head in ((0.25, False), (0.10, False), (0.25, True), (0.10, True)):
         # blocks chosen per KV head: the estimate, the choice and the attention, timed
         pattern = BlockSparsePattern(64, 1, 2, 0, density, one_head=one_head)
@@ -163,11 +167,8 @@ def bench_block_sparse(context: int, matmul_tflops: float) -> list[dict]:
             paged_attention(q, cache, choose_blocks(triton_ops, q, cache, table, view.block_table, choice, None),
                             view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q, out=out)
         ms = median_ms(whole)
-        rows.append({"kind": "block-sparse prefill", "shape": f"1x{context}", "pattern": pattern.__dict__,
-                     "density": kept, "ms": ms, "dense_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
-                     "dense_tflops": flops / dense_ms / 1e9, "dense_fraction_of_matmul": flops / dense_ms / 1e9 /
-                     matmul_tflops, "sparse_tflops_on_kept": flops * kept / attend_ms / 1e9,
-                     "estimate_ms": mass_ms, "estimate_and_choice_ms": choose_ms, "attention_ms": attend_ms})
+        rows.append({**row(pattern, kept, ms, attend_ms), "estimate_ms": mass_ms, "estimate_and_choice_ms": choose_ms,
+                     "attention_ms": attend_ms})
     return rows
 
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashpage.kernels import hopper_prefill, pdl
+from flashpage.kernels.block_sparse import head_stride
 from flashpage.kernels.device import sm_count
 from flashpage.kernels.fp8 import dequantize_heads, quantize_heads
 from flashpage.kernels.pdl import release_next, wait_for_previous
@@ -405,12 +406,6 @@ def _invariant_tiles(head_dim: int) -> tuple[int, int, int, int]:
     return (64, 64, 4, 3) if head_dim <= 128 else (64, 32, 4, 2)
 
 
-def _head_stride(block_table: torch.Tensor) -> int:
-    """A block table's stride between KV heads: [sequences, KV heads, pages] gives each head its own pages (key
-    blocks chosen per head); [sequences, pages] one for all."""
-    return block_table.stride(1) if block_table.dim() == 3 else 0
-
-
 def _sm_scale_log2(softmax_scale: float | None, head_dim: int) -> float:
     """The softmax's scale times log2(e): the kernels exponentiate in base 2."""
     return (softmax_scale if softmax_scale is not None else head_dim**-0.5) * _LOG2E
@@ -485,7 +480,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
         unused if tree_mask is None else tree_mask, batch, scale, window_size[0],
         window_size[1], hkv,
         q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0, _head_stride(block_table) if paged else 0, *part_strides,
+        block_table.stride(0) if paged else 0, head_stride(block_table) if paged else 0, *part_strides,
         **common)
     if num_splits > 1:
         # One warp per 32 columns of a head: a merge of many small programs finishes sooner after the last split

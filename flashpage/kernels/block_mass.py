@@ -15,14 +15,14 @@ def _block_mass_kernel(Q, K, BlockTable, Rows, Runs, Out, sm_scale_log2, stride_
                        stride_kh, stride_bt, stride_oh, stride_or, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, SAMPLE: tl.constexpr, SAMPLES: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
                        BLOCK_R: tl.constexpr, SCAN_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
-                       PAGE_SIZE: tl.constexpr, ONE_HEAD: tl.constexpr, UPCAST: tl.constexpr):
-    """One program per QUERY_BLOCKS choosing query blocks of one sequence (a part of a run) and KV head: the rows
-    of their sampled queries (every SAMPLE-th from each block's last, SAMPLES per block at most, each of the group's
-    heads, or with ONE_HEAD the next head for the next query) as one operand, so the sequence's keys are read once for all of them. The first pass over the keys up
-    to the last query finds each row's softmax maximum and sum; the second sums each query block's rows'
-    probabilities over each of its candidate blocks."""
-    run = tl.program_id(0) // (8 // QUERY_BLOCKS)  # (BlockChoice.RUN_LENGTH)
-    r0 = tl.load(Runs + run * 2) + tl.program_id(0) % (8 // QUERY_BLOCKS) * QUERY_BLOCKS
+                       PAGE_SIZE: tl.constexpr, RUN: tl.constexpr, ONE_HEAD: tl.constexpr, UPCAST: tl.constexpr):
+    """One program per QUERY_BLOCKS choosing query blocks of one sequence (a part of a run of up to RUN) and KV
+    head: the rows of their sampled queries (every SAMPLE-th from each block's last, SAMPLES per block at most, each
+    of the group's heads, or with ONE_HEAD the next head for the next query) as one operand, so the sequence's keys
+    are read once for all of them. The first pass over the keys up to the last query finds each row's softmax
+    maximum and sum; the second sums each query block's rows' probabilities over each of its candidate blocks."""
+    run = tl.program_id(0) // (RUN // QUERY_BLOCKS)
+    r0 = tl.load(Runs + run * 2) + tl.program_id(0) % (RUN // QUERY_BLOCKS) * QUERY_BLOCKS
     r_end = tl.load(Runs + run * 2) + tl.load(Runs + run * 2 + 1)
     if r0 < r_end:
         h = tl.program_id(1)
@@ -116,7 +116,7 @@ def block_mass(q, kv_cache, block_table, choice: BlockChoice, softmax_scale=None
     samples = -(-choice.block // choice.sample)
     # query blocks per program: about 128 rows (the tensor cores' operand), a power of two that divides a run
     per_block = samples * (1 if choice.one_head else group)  # rows
-    query_blocks = 1 << max(0, min(3, (128 // per_block).bit_length() - 1))
+    query_blocks = 1 << max(0, min(BlockChoice.RUN_LENGTH.bit_length() - 1, (128 // per_block).bit_length() - 1))
     rows = triton.next_power_of_2(query_blocks * per_block)
     interpret = q.device.type == "cpu"
     _block_mass_kernel[(choice.runs.shape[0] * (BlockChoice.RUN_LENGTH // query_blocks), hkv)](
@@ -124,5 +124,6 @@ def block_mass(q, kv_cache, block_table, choice: BlockChoice, softmax_scale=None
         k.stride(2), block_table.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), SAMPLE=choice.sample, SAMPLES=samples, QUERY_BLOCKS=query_blocks,
         BLOCK_R=max(16, rows), SCAN_N=64, BLOCK_N=64, BLOCK=choice.block, PAGE_SIZE=page,
-        ONE_HEAD=choice.one_head, UPCAST=interpret and q.dtype == torch.bfloat16, num_warps=4, num_stages=3)
+        RUN=BlockChoice.RUN_LENGTH, ONE_HEAD=choice.one_head, UPCAST=interpret and q.dtype == torch.bfloat16,
+        num_warps=4, num_stages=3)
     return out

@@ -11,8 +11,7 @@ KV head and layer as the prompt is prefilled (MInference's block-sparse index, F
 blocks from an estimate of this kind): up to `density` of its causal blocks in all, the forced ones (sinks,
 window) included. The estimate is the exact attention of every `sample`-th of its queries, counted back from its
 last, in each of the group's heads (or, `one_head`, in one of them, the next for the next sampled query), summed
-per key block (`block_mass`: `reference.block_mass`, and in Triton
-`kernels/block_mass.py`).
+per key block (`block_mass`: `reference.block_mass`, and in Triton `kernels/block_mass.py`).
 
 No kernel knows the pattern. `split` turns a step's sequences into ones whose plain causal attention is the
 pattern's: each block of a prompt chunk's queries becomes a sequence of its own, whose block table lists only the
@@ -63,13 +62,13 @@ class BlockSparsePattern:
         qb = q_pos // self.block
         window = torch.clamp(qb - self.local + 1, min=0)  # the window's first block
         sinks = torch.clamp(window, max=self.sink)  # sink blocks before the window
-        lines = torch.zeros_like(qb)
-        if self.stride:  # blocks in [sink, window) with kb % stride == stride - 1: (window // stride) - ...
-            lines = torch.clamp(window // self.stride - self.sink // self.stride, min=0)
+        between = torch.zeros_like(qb)  # blocks seen between the sinks and the window
+        if self.stride:  # lines: blocks in [sink, window) with kb % stride == stride - 1
+            between = torch.clamp(window // self.stride - self.sink // self.stride, min=0)
         if self.density:  # the chosen blocks: the rest of the query block's share
             keep = torch.ceil(self.density * (qb + 1).double() - 1e-9).long()
-            lines = torch.clamp(keep - sinks - (qb - window + 1), min=0)
-        full_blocks = sinks + lines + (qb - window)  # the window's blocks before the query's own
+            between = torch.clamp(keep - sinks - (qb - window + 1), min=0)
+        full_blocks = sinks + between + (qb - window)  # the window's blocks before the query's own
         return full_blocks * self.block + q_pos - qb * self.block + 1
 
     def split(self, q_lens: list[int], k_lens: list[int], tables: list[list[int]], page: int) -> SplitBatch:
@@ -81,9 +80,9 @@ class BlockSparsePattern:
         must be a multiple of `page`. Chosen blocks' pages are left as zeros, for `choose_blocks`."""
         per_block = self.block // page
         out = SplitBatch([], [], [], [])
-        row = 0  # the sequence's first query's row in the batch
+        next_row = 0  # the sequence's first query's row in the batch
         for seq, (q_len, k_len, table) in enumerate(zip(q_lens, k_lens, tables)):
-            row += q_len
+            row, next_row = next_row, next_row + q_len
             if q_len < 2:
                 out.add(q_len, k_len, table)
                 continue
@@ -101,7 +100,7 @@ class BlockSparsePattern:
                     sinks, candidates, chosen = self.kept_blocks(qb)
                     if chosen:
                         q0 = max(first, qb * self.block)
-                        out.choices.append((len(out.q_lens), seq, row - k_len + q0, last - q0, q0, sinks,
+                        out.choices.append((len(out.q_lens), seq, row + q0 - first, last - q0, q0, sinks,
                                             candidates, chosen))
                         pages += [0] * (chosen * per_block)
                 pages += table[window * per_block:-(-last // page)]
@@ -140,7 +139,7 @@ class BlockChoice:
     sample: int
     one_head: bool = False
 
-    RUN_LENGTH = 8
+    RUN_LENGTH = 8  # (a power of two: a program takes a power-of-two share of a run)
 
     @classmethod
     def of(cls, split: SplitBatch, pattern: BlockSparsePattern, upload) -> BlockChoice:
@@ -154,6 +153,12 @@ class BlockChoice:
         rows, runs_t = flat.split([8 * len(split.choices), 2 * len(runs)])
         return cls(rows.view(-1, 8), runs_t.view(-1, 2), max(c[6] for c in split.choices),
                    max(c[7] for c in split.choices), pattern.block, pattern.sample, pattern.one_head)
+
+
+def head_stride(block_table: torch.Tensor) -> int:
+    """A block table's stride between KV heads, as the attention kernels take it: [sequences, KV heads, pages]
+    gives each head its own pages (`choose_blocks`); [sequences, pages] one for all (0)."""
+    return block_table.stride(1) if block_table.dim() == 3 else 0
 
 
 def choose_blocks(ops, q: torch.Tensor, kv_cache, block_table: torch.Tensor, split_table: torch.Tensor,

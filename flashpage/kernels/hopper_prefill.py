@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashpage.kernels.block_sparse import head_stride
 from flashpage.kernels.device import sm_count
 from flashpage.kernels.fp8 import FP8
 from flashpage.kernels.quantize import quantize_heads
@@ -837,7 +838,7 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
         unused if seq_lens_k is None else seq_lens_k, block_table if paged else unused,
         unused if scales is None else scales, k_scale, v_scale, n_items, n_m, hkv, sm_scale_log2, window_size[0],
         window_size[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0) if paged else 0, block_table.stride(1) if paged and block_table.dim() == 3 else 0,
+        block_table.stride(0) if paged else 0, head_stride(block_table) if paged else 0,
         GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, K_STAGES=k_stages, V_STAGES=v_stages,
         PAGED=paged, PAGE_SIZE=page, CAUSAL=causal, WINDOW=tuple(window_size) != (-1, -1),
         FP8=scales is not None, FP8_CACHE=fp8_cache,

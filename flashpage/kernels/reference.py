@@ -94,8 +94,8 @@ def block_mass(q, kv_cache, block_table, choice, softmax_scale=None):
         unseen = torch.arange(n_keys, device=q.device) > pos0 + offsets[:, None]
         p = torch.softmax(s.masked_fill(unseen, float("-inf")), -1).view(hkv, group, -1, n_keys)  # [.., S, keys]
         if choice.one_head:  # sample j in head j % group
-            p = p * (torch.arange(len(offsets), device=q.device) % group == torch.arange(group, device=q.device)[:, None]
-                     )[None, :, :, None]
+            sample_head = torch.arange(len(offsets), device=q.device) % group
+            p = p * (sample_head == torch.arange(group, device=q.device)[:, None])[None, :, :, None]
         p = p.sum((1, 2))
         out[:, r, :candidates] = p[:, first * block:(first + candidates) * block].view(hkv, candidates, block).sum(-1)
     return out
