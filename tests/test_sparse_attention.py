@@ -512,6 +512,7 @@ def test_chosen_blocks_prefill_matches_reference(pattern, lens_k, lens_q, page, 
         by_hand[:, r, :candidates] = mass_by_hand(q[q0:q0 + n_q].cpu(), keys[:pos0 + n_q].cpu(),
                                                   torch.arange(pos0, pos0 + n_q), pattern, first, candidates)
     mass = tri.block_mass(q, cache, table, choice)
+    assert torch.equal(tri.block_mass(q, cache, table, choice, scratch_bytes=1), mass)  # a launch per run
     finite = by_hand > float("-inf")
     assert torch.equal(mass.cpu() > float("-inf"), finite)
     assert rel_err(mass.cpu()[finite], by_hand[finite]) < 2e-2
