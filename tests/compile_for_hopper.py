@@ -104,6 +104,9 @@ def main() -> None:
                 pages = rand(8, 16, 2, dim, dtype=dtype)
                 for heads in (8, 6, 16, 2):  # groups of 4, 3, 8 and 1: each count of query blocks per program
                     tri.block_mass(rand(9, heads, dim, dtype=dtype), KVCache(pages, pages), table, choice)
+        for values in (rand(3, 50, dtype=torch.float16), rand(3, 50)):  # the top-k: 16- and 32-bit, k per row
+            tri.top_k_positions(values, 5)
+            tri.top_k_positions(values, torch.full((3,), 4), 6, 50, torch.int64)
         # SparQ decode (4 and 3 query heads per KV head; r under and at 16; the paper's basis and another) and its
         # cache extras
         sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))

@@ -486,6 +486,29 @@ def mass_by_hand(q, keys, q_pos, pattern, first, candidates):
     return torch.stack([mass[:, (first + b) * block:(first + b + 1) * block].sum(-1) for b in range(candidates)], -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(1, 1), (700, 0), (3000, 37), (2049, 2049), (300, 500)])
+def test_top_k_positions(dtype, n, k):
+    """The bitwise select (Triton) against the reference: the same positions, first ones taken among equal values,
+    in position order, the slots past k filled; and the reference's values are torch.topk's. Rows hold values
+    past a sequence's end (-1, -inf), ties, zeros, and a row below zero throughout; k per row too."""
+    torch.manual_seed(n + k)
+    values = torch.rand(3, 2, n, device=DEVICE).to(dtype)
+    values[0, 0, n // 2:] = -1.0
+    values[0, 1, :n // 3] = 0.25
+    values[1, 0] = float("-inf")
+    values[1, 1, ::7] = 0.0
+    for ks in (k, torch.randint(0, k + 2, (3, 2), device=DEVICE)):
+        want = ref.top_k_positions(values, ks, k + 3, -7)
+        assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7), want)
+        for row, kept in zip(values.view(6, n), want.view(6, -1)):
+            taken = kept[kept >= 0].long()
+            assert len(taken) == min(int(ks) if isinstance(ks, int) else len(taken), n)
+            assert torch.equal(row[taken].float().sort().values, row.float().topk(len(taken)).values.sort().values)
+        if isinstance(ks, torch.Tensor):
+            assert torch.equal((want >= 0).sum(-1), ks.clamp(max=n))
+
+
 @pytest.mark.parametrize("pattern", CHOOSING)
 @pytest.mark.parametrize("lens_k,lens_q,page,hq,hkv,dim", [
     ([700, 300, 90], [700, 1, 37], 16, 8, 2, 64),  # a whole prompt, a decode (dense), a chunk after a prefix

@@ -172,8 +172,9 @@ def choose_blocks(ops, q: torch.Tensor, kv_cache, block_table: torch.Tensor, spl
     hkv, n, device = mass.shape[0], rows.shape[0], q.device
     per_block = choice.block // kv_cache.block_size
     used = torch.arange(choice.max_chosen, device=device) < rows[:, 7, None]  # [R, chosen]
-    picked = mass.topk(choice.max_chosen, -1).indices  # [Hkv, R, chosen], the best first
-    picked = torch.where(used, picked, choice.max_candidates).sort(-1).values  # in position order, unused last
+    # [Hkv, R, chosen]: the best candidates in position order, unused slots last
+    picked = ops.top_k_positions(mass, rows[:, 7].expand(hkv, n), choice.max_chosen, choice.max_candidates,
+                                 torch.int64)
     page_of = (rows[:, 5, None] + picked)[..., None] * per_block + torch.arange(per_block, device=device)
     page_of = page_of.flatten(-2).clamp_max(block_table.shape[1] - 1)  # [Hkv, R, chosen pages]
     pages = block_table[rows[:, 1]].expand(hkv, n, -1).gather(-1, page_of)

@@ -17,11 +17,11 @@ from flashpage.kernels.int4 import int4_linear
 from flashpage.kernels.tree import check_query_mask, tree_visible
 from flashpage.kernels.reference import (apply_penalties, apply_token_bitmask, block_mass, composed_linear,
                                          flash_attn_varlen, greedy, sample, silu_and_mul, sparq_attention,
-                                         write_sparq_copies)
+                                         top_k_positions, write_sparq_copies)
 
 __all__ = ["apply_penalties", "apply_token_bitmask", "block_mass", "flash_attn_varlen", "greedy", "linear",
            "paged_attention", "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul",
-           "sparq_attention", "write_sparq_copies"]
+           "sparq_attention", "top_k_positions", "write_sparq_copies"]
 
 
 def rms_norm(x, weight, eps):

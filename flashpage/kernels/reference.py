@@ -75,6 +75,21 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     return out
 
 
+def top_k_positions(values, k, width=None, fill=0, dtype=torch.int32):
+    """The positions of the k largest of each row of values [..., n], in position order: [..., width] (width = k
+    by default), the slots past a row's k set to fill. Non-negative floats rank as themselves, anything below zero
+    under them; of equal values the first positions are taken. k: an int, or a tensor of one per row."""
+    n = values.shape[-1]
+    width = width if width is not None else k
+    ks = k if isinstance(k, torch.Tensor) else torch.full(values.shape[:-1], k, device=values.device)
+    ranked = torch.where(values >= 0, values.double(), -1.0)  # (NaN too goes under)
+    order = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :width]
+    taken = torch.arange(order.shape[-1], device=values.device) < ks[..., None].clamp(max=n)
+    positions = torch.where(taken, order, n).sort(-1).values
+    positions = torch.nn.functional.pad(positions, (0, width - positions.shape[-1]), value=n)
+    return torch.where(positions == n, fill, positions).to(dtype)
+
+
 def block_mass(q, kv_cache, block_table, choice, softmax_scale=None):
     """Per query block that chooses key blocks (`choice`: a `block_sparse.BlockChoice`, its rows) and KV head, the
     attention its sampled queries give each candidate block: every `choice.sample`-th of its queries counted back

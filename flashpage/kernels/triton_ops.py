@@ -18,10 +18,11 @@ from flashpage.kernels.reference import composed_linear
 from flashpage.kernels.rotary import rope_and_cache
 from flashpage.kernels.sampling import apply_penalties, apply_token_bitmask, greedy, sample
 from flashpage.kernels.sparq import sparq_attention, write_sparq_copies
+from flashpage.kernels.topk import top_k_positions
 
 __all__ = ["apply_penalties", "apply_token_bitmask", "block_mass", "flash_attn_varlen", "greedy", "linear",
            "paged_attention", "reshape_and_cache", "rms_norm", "rope_and_cache", "sample", "silu_and_mul",
-           "sparq_attention", "write_sparq_copies"]
+           "sparq_attention", "top_k_positions", "write_sparq_copies"]
 
 # Up to this many rows the Triton kernel with its epilogues is faster than cuBLASLt's FP8 matmul between separate
 # kernels (an H100, llama-3-8b's projections: faster at 197 rows, slower at 256; docs/kernel-notes.md).
