@@ -107,6 +107,7 @@ def main() -> None:
         for values in (rand(3, 50, dtype=torch.float16), rand(3, 50)):  # the top-k: 16- and 32-bit, k per row
             tri.top_k_positions(values, 5)
             tri.top_k_positions(values, torch.full((3,), 4), 6, 50, torch.int64)
+            tri.top_k_positions(values.repeat(1, 100), 300)  # (rows past MAX_ROW: the chunked select)
         # SparQ decode (4 and 3 query heads per KV head; r under and at 16; the paper's basis and another) and its
         # cache extras
         sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))

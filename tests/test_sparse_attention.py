@@ -17,7 +17,7 @@ from flashpage.engine.sparse import AXIS_WEIGHT, key_bases, sparq_turns
 from flashpage.errors import ParameterError
 from flashpage.kernels import cpu as cpu_kernels
 from flashpage.kernels import reference as ref
-from flashpage.kernels import sparq
+from flashpage.kernels import sparq, topk
 from flashpage.kernels import triton_ops as tri
 from flashpage.kernels.block_sparse import BlockSparsePattern, choose_blocks
 from flashpage.kv import KVCache, allocate_kv_caches
@@ -486,12 +486,17 @@ def mass_by_hand(q, keys, q_pos, pattern, first, candidates):
     return torch.stack([mass[:, (first + b) * block:(first + b + 1) * block].sum(-1) for b in range(candidates)], -1)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1, 1), (700, 0), (3000, 37), (2049, 2049), (300, 500)])
-def test_top_k_positions(dtype, n, k):
-    """The bitwise select (Triton) against the reference: the same positions, first ones taken among equal values,
-    in position order, the slots past k filled; and the reference's values are torch.topk's. Rows hold values
-    past a sequence's end (-1, -inf), ties, zeros, and a row below zero throughout; k per row too."""
+def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
+    """Both Triton selects (a row in registers; chunked, here in chunks of 256, a radix select over histograms)
+    against the reference: the same positions, first ones taken among equal values, in position order, the slots
+    past k filled; and the reference's values are torch.topk's. Rows hold values past a sequence's end (-1, -inf),
+    ties, zeros, and a row below zero throughout; k per row too."""
+    if chunked:
+        monkeypatch.setattr(topk, "MAX_ROW", 0)
+        monkeypatch.setattr(topk, "CHUNK", 256)
     torch.manual_seed(n + k)
     values = torch.rand(3, 2, n, device=DEVICE).to(dtype)
     values[0, 0, n // 2:] = -1.0

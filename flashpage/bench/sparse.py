@@ -6,7 +6,7 @@ head dim 128, block size 16, shuffled), dense and under patterns of blocks of 64
 line every 64 blocks and the window that brings the share of causal keys seen nearest 25% and 10%; and with key
 blocks chosen per KV head at densities 25% and 10% (one sink block, a window of two), each sampled query in all its
 group's heads ("chosen") or in one ("chosen1", `"sample_heads": "one"`), timed whole: the estimate (`block_mass`),
-the choice (torch's top-k and the tables' fill) and the attention.
+the choice (the top-k and the tables' fill) and the attention.
 
 bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
@@ -17,8 +17,8 @@ copy is in an orthonormal basis per KV head, as the engine's default (`"basis": 
 it is in the time; at 1/8 also without one (the paper's basis, "I" in the table; "strided" reads K as it is, so
 in the paper's basis too). Each is timed as a CUDA
 graph (as the engine runs decode), after warm-up, median of many replays, against the dense decode over the same
-cache; the table also gives the time of SparQ's phases (approximate scores, aggregation, torch's top-k, exact
-attention, combine) from eager runs under the profiler.
+cache; the table also gives the time of SparQ's phases (approximate scores, aggregation, the keys' top-k, exact
+attention, combine; "torch": whatever else runs, torch's fills) from eager runs under the profiler.
 """
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
     return rows
 
 
-PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_attend_chosen": "attend",
-          "_combine": "combine"}
+PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_histogram_kernel": "top-k",
+          "_count_kernel": "top-k", "_write_kernel": "top-k", "_attend_chosen": "attend", "_combine": "combine"}
 
 
 def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]:
     """GPU time per phase of one eager SparQ step (median of 5, by the profiler's kernel names): its own kernels,
-    and torch's (the keys' top-k) as "torch"."""
+    and torch's (the top-k's histograms' zeroing) as "torch"."""
     cu = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
     runs = []
     for _ in range(5):
@@ -109,7 +109,7 @@ def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]
             name = next((v for key, v in PHASES.items() if key in e.key), "torch")
             times[name] = times.get(name, 0.0) + us / 1e3
         runs.append(times)
-    return {n: sorted(t.get(n, 0.0) for t in runs)[2] for n in [*PHASES.values(), "torch"]}
+    return {n: sorted(t.get(n, 0.0) for t in runs)[2] for n in [*dict.fromkeys(PHASES.values()), "torch"]}
 
 
 def pattern_for(context: int, density: float) -> BlockSparsePattern:

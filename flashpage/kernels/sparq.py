@@ -8,9 +8,9 @@ sum, instead of every key and value:
 2. and those components of every key, from the component-major copy `k_t` (one 32-byte run per
    component and page of 16), give each head's approximate scores (kept, a key's heads side by side) and, per
    split of the keys, their running max and sum;
-3. `_aggregate`: each key's approximate probability summed over the group's heads; torch's topk picks k keys.
-   For a 16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and torch.topk
-   takes two thirds of the time. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
+3. `_aggregate`: each key's approximate probability summed over the group's heads; `top_k_positions`
+   (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed probabilities are fp16: half
+   the bytes, and the top-k's radix select takes two passes over them instead of four. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
    activations that moved the output 0.2% (median) against SparQ's 21% from dense attention (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
@@ -31,6 +31,7 @@ import triton.language as tl
 
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import sm_count
+from flashpage.kernels.topk import top_k_positions
 
 _LOG2E = 1.4426950408889634
 
@@ -312,7 +313,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         logits, part_m, part_l, seq_lens_k, agg, lse, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
         agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, num_warps=4)
-    chosen = agg.topk(num_chosen, dim=-1, sorted=False).indices
+    chosen = top_k_positions(agg, num_chosen)
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
     part_lse = torch.empty(batch, hq, attend_splits, dtype=f32, device=dev)

@@ -1,21 +1,24 @@
-"""The positions of each row's k largest values, in position order, for rows of up to MAX_ROW values (the candidate
-blocks of `block_sparse.choose_blocks`): one program per row holds it in registers and finds its k-th largest value
-a bit at a time, from the highest (is the count of values at or above the bits found so far plus this one still
-k or more?), then writes the positions of the values above it and of the first values equal to it, as many as k
-still needs. For 4,096 rows of 512 on an H200: 23 µs, where torch's top-k, a where and a sort took 206 µs
-(docs/kernel-notes.md). Longer rows go to `reference.top_k_positions`.
+"""The positions of each row's k largest values, in position order, the first ones taken among equal values
+(`reference.top_k_positions`), in one of two ways:
+- rows of up to MAX_ROW values (`block_sparse.choose_blocks`' candidate blocks): one program per row holds it in
+  registers and finds its k-th largest value a bit at a time, from the highest (is the count of values at or above
+  the bits found so far plus this one still k or more?), then writes the positions of the values above it and of
+  the first values equal to it, as many as k still needs. 4,096 rows of 512 on an H200: 23 µs, where torch's
+  top-k, a where and a sort took 206 µs;
+- longer rows (SparQ's keys) are cut into chunks of CHUNK, a program each, in a radix select a byte at a time:
+  one launch per byte counts, in a 256-bin histogram per row, the byte of the values that share the bytes found
+  so far; then one launch counts each chunk's values above the k-th largest and equal to it, and the last writes
+  the positions, each chunk after the ones before it (docs/kernel-notes.md).
 
-The values are block masses: non-negative floats order as their bits do. Anything below zero (-inf where a row
-has no more candidates) ranks under every non-negative value, and is taken, first positions first, only where a
-row holds fewer than k of those."""
+The values are probabilities and block masses: non-negative floats order as their bits do. Anything below zero
+(SparQ's -1 past a sequence's end, a mass's -inf where a row has no more candidates) ranks under every
+non-negative value, and is taken, first positions first, only where a row holds fewer than k of those."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from flashpage.kernels import reference
 
 
 @triton.jit
@@ -56,23 +59,112 @@ def _top_k_kernel(Values, Ks, Out, k, n, width, fill, stride_v, stride_o, KEY_BI
     tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
+CHUNK = 4096  # values per program in rows longer than MAX_ROW
+
+
+@triton.jit
+def _threshold(Hist, row, k, LEVELS: tl.constexpr):
+    """The first LEVELS bytes of the row's k-th largest key, from its histograms, and how many of the keys that
+    share them are still to be taken."""
+    bins = tl.arange(0, 256)
+    threshold = 0
+    want = tl.maximum(k, 1)
+    for level in tl.static_range(LEVELS):
+        counts = tl.load(Hist + (row * 4 + level) * 256 + bins)
+        at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
+        byte = tl.max(tl.where(at_or_above >= want, bins, 0), 0)
+        want -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0), 0)  # the keys above its byte: all taken
+        threshold = threshold * 256 + byte
+    return threshold, want
+
+
+@triton.jit
+def _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+    """The program's row, that row's k (at most n), and its chunk's positions and keys (-1 past n)."""
+    row = tl.program_id(0).to(tl.int64)
+    if PER_ROW:
+        k = tl.load(Ks + row)
+    i = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ok = i < n
+    key = tl.where(ok, _key(tl.load(Values + row * stride_v + i, mask=ok, other=-1.0), KEY_BITS), -1)
+    return row, tl.minimum(k, n), i, key
+
+
+@triton.jit
+def _histogram_kernel(Values, Ks, Hist, k, n, stride_v, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr,
+                      PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
+    shift = KEY_BITS - 8 * (LEVEL + 1)
+    ok = key >= 0
+    if LEVEL > 0:
+        prefix, _ = _threshold(Hist, row, k, LEVEL)
+        ok &= (key >> (shift + 8)) == prefix
+    counts = tl.histogram((key >> shift) & 255, 256, mask=ok)
+    tl.atomic_add(Hist + (row * 4 + LEVEL) * 256 + tl.arange(0, 256), counts, mask=counts > 0)
+
+
+@triton.jit
+def _count_kernel(Values, Ks, Hist, Counts, k, n, stride_v, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """Each chunk's keys above the k-th largest and equal to it."""
+    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
+    threshold, _ = _threshold(Hist, row, k, KEY_BITS // 8)
+    at = Counts + (row * tl.num_programs(1) + tl.program_id(1)) * 2
+    tl.store(at, tl.sum((key > threshold).to(tl.int32), 0))
+    tl.store(at + 1, tl.sum((key == threshold).to(tl.int32), 0))
+
+
+@triton.jit
+def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, stride_o, KEY_BITS: tl.constexpr,
+                  PER_ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
+    threshold, want = _threshold(Hist, row, k, KEY_BITS // 8)
+    c = tl.arange(0, BLOCK_C)
+    before = c < tl.program_id(1)
+    above_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2, mask=before, other=0), 0)
+    ties_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2 + 1, mask=before, other=0), 0)
+    tie = (key == threshold).to(tl.int32)
+    taken = (key > threshold) | ((tie == 1) & (ties_before + tl.cumsum(tie, 0) - tie < want))
+    taken &= k > 0
+    slot = above_before + tl.minimum(ties_before, want) + tl.cumsum(taken.to(tl.int32), 0) - 1
+    tl.store(Out + row * stride_o + slot, i, mask=taken)
+    if tl.program_id(1) == 0:
+        j = tl.arange(0, BLOCK_W)
+        tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
+
+
 def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int = 0,
                     dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """`reference.top_k_positions` (the same positions) for rows of up to MAX_ROW values: [..., width] (width = k
-    by default), the slots past a row's k set to fill. k: an int, or a tensor of one per row."""
+    """`reference.top_k_positions` (the same positions): [..., width] (width = k by default), the slots past a
+    row's k set to fill. k: an int, or a tensor of one per row."""
     n = values.shape[-1]
-    if n > MAX_ROW:
-        return reference.top_k_positions(values, k, width, fill, dtype)
     per_row = isinstance(k, torch.Tensor)
     width = width if width is not None else k
     rows = values.reshape(-1, n)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], width, dtype=dtype, device=values.device)
-    if rows.shape[0] and width:
+    ks = k.reshape(-1) if per_row else out
+    key_bits = 8 * values.element_size()
+    if rows.shape[0] == 0 or width == 0:
+        pass
+    elif n > MAX_ROW:
+        grid = (rows.shape[0], triton.cdiv(n, CHUNK))
+        hist = torch.zeros(rows.shape[0], 4, 256, dtype=torch.int32, device=values.device)
+        counts = torch.empty(*grid, 2, dtype=torch.int32, device=values.device)
+        scalar_k = 0 if per_row else k
+        for level in range(key_bits // 8):
+            _histogram_kernel[grid](rows, ks, hist, scalar_k, n, rows.stride(0), LEVEL=level, KEY_BITS=key_bits,
+                                    PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
+        _count_kernel[grid](rows, ks, hist, counts, scalar_k, n, rows.stride(0), KEY_BITS=key_bits, PER_ROW=per_row,
+                            CHUNK=CHUNK, num_warps=4)
+        _write_kernel[grid](rows, ks, hist, counts, out, scalar_k, n, width, fill, rows.stride(0), out.stride(0),
+                            KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, BLOCK_C=triton.next_power_of_2(grid[1]),
+                            BLOCK_W=triton.next_power_of_2(width), num_warps=4)
+    else:
         block = triton.next_power_of_2(max(n, 16))
-        _top_k_kernel[(rows.shape[0],)](rows, k.reshape(-1) if per_row else out, out, 0 if per_row else k, n, width,
-                                        fill, rows.stride(0), out.stride(0), KEY_BITS=8 * values.element_size(),
+        _top_k_kernel[(rows.shape[0],)](rows, ks, out, 0 if per_row else k, n, width, fill, rows.stride(0),
+                                        out.stride(0), KEY_BITS=key_bits,
                                         PER_ROW=per_row, BLOCK=block, BLOCK_W=triton.next_power_of_2(width),
                                         num_warps=max(1, min(8, block // 512)))
     return out.view(*values.shape[:-1], width)
