@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+MAX_ROW = 4096  # longest row held in registers by one program
+CHUNK = 4096  # values per program in rows longer than that
+
 
 @triton.jit
 def _key(x, KEY_BITS: tl.constexpr):
@@ -31,11 +34,9 @@ def _key(x, KEY_BITS: tl.constexpr):
     return tl.where(x >= 0, bits + 1, 0)
 
 
-MAX_ROW = 4096
-
 
 @triton.jit
-def _top_k_kernel(Values, Ks, Out, k, n, width, fill, stride_v, stride_o, KEY_BITS: tl.constexpr,
+def _row_in_registers_kernel(Values, Ks, Out, k, n, width, fill, stride_v, stride_o, KEY_BITS: tl.constexpr,
                   PER_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW:
@@ -58,8 +59,6 @@ def _top_k_kernel(Values, Ks, Out, k, n, width, fill, stride_v, stride_o, KEY_BI
     j = tl.arange(0, BLOCK_W)
     tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
-
-CHUNK = 4096  # values per program in rows longer than MAX_ROW
 
 
 @triton.jit
@@ -163,8 +162,7 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
                             BLOCK_W=triton.next_power_of_2(width), num_warps=4)
     else:
         block = triton.next_power_of_2(max(n, 16))
-        _top_k_kernel[(rows.shape[0],)](rows, ks, out, 0 if per_row else k, n, width, fill, rows.stride(0),
-                                        out.stride(0), KEY_BITS=key_bits,
-                                        PER_ROW=per_row, BLOCK=block, BLOCK_W=triton.next_power_of_2(width),
-                                        num_warps=max(1, min(8, block // 512)))
+        _row_in_registers_kernel[(rows.shape[0],)](
+            rows, ks, out, 0 if per_row else k, n, width, fill, rows.stride(0), out.stride(0), KEY_BITS=key_bits,
+            PER_ROW=per_row, BLOCK=block, BLOCK_W=triton.next_power_of_2(width), num_warps=max(1, min(8, block // 512)))
     return out.view(*values.shape[:-1], width)
