@@ -10,8 +10,9 @@ sum, instead of every key and value:
    split of the keys, their running max and sum;
 3. `_aggregate`: each key's approximate probability summed over the group's heads; `top_k_positions`
    (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed probabilities are fp16: half
-   the bytes, and the top-k's radix select takes two passes over them instead of four. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
-   activations that moved the output 0.2% (median) against SparQ's 21% from dense attention (docs/kernel-notes.md);
+   the bytes, and the top-k's radix select counts two bytes of them instead of four. Ranking in fp16 can swap keys
+   tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median) against SparQ's 21%
+   from dense attention (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query

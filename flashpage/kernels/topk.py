@@ -34,10 +34,9 @@ def _key(x, KEY_BITS: tl.constexpr):
     return tl.where(x >= 0, bits + 1, 0)
 
 
-
 @triton.jit
 def _row_in_registers_kernel(Values, Ks, Out, k, n, width, fill, stride_v, stride_o, KEY_BITS: tl.constexpr,
-                  PER_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                             PER_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW:
         k = tl.load(Ks + row)
@@ -58,7 +57,6 @@ def _row_in_registers_kernel(Values, Ks, Out, k, n, width, fill, stride_v, strid
     tl.store(Out + row * stride_o + tl.cumsum(taken.to(tl.int32), 0) - 1, i, mask=taken)
     j = tl.arange(0, BLOCK_W)
     tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
-
 
 
 @triton.jit
