@@ -77,8 +77,9 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 def top_k_positions(values, k, width=None, fill=0, dtype=torch.int32):
     """The positions of the k largest of each row of values [..., n], in position order: [..., width] (width = k
-    by default), the slots past a row's k set to fill. Non-negative floats rank as themselves, anything below zero
-    under them; of equal values the first positions are taken. k: an int, or a tensor of one per row."""
+    by default), the slots past a row's k set to fill; a k over width takes the width largest. Non-negative floats
+    rank as themselves, anything below zero under them; of equal values the first positions are taken. k: an int,
+    or a tensor of one per row."""
     n = values.shape[-1]
     width = width if width is not None else k
     ks = k if isinstance(k, torch.Tensor) else torch.full(values.shape[:-1], k, device=values.device)

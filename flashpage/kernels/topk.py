@@ -133,10 +133,11 @@ def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, st
 def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int = 0,
                     dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """`reference.top_k_positions` (the same positions): [..., width] (width = k by default), the slots past a
-    row's k set to fill. k: an int, or a tensor of one per row."""
+    row's k set to fill; a k over width takes the width largest. k: an int, or a tensor of one per row."""
     n = values.shape[-1]
     per_row = isinstance(k, torch.Tensor)
     width = width if width is not None else k
+    k = k.clamp(max=width) if per_row else min(k, width)  # (as the reference: no more than width)
     rows = values.reshape(-1, n)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
