@@ -514,8 +514,8 @@ def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
             assert torch.equal((want >= 0).sum(-1), ks.clamp(max=n))
         narrow = ref.top_k_positions(values, ks, k // 2 + 1, -7)  # k over width: the width largest
         assert torch.equal(tri.top_k_positions(values, ks, k // 2 + 1, -7), narrow)
-        assert torch.equal(narrow, ref.top_k_positions(values, torch.as_tensor(ks).clamp(max=k // 2 + 1), k // 2 + 1,
-                                                       -7))
+        clamped = torch.as_tensor(ks, device=DEVICE).clamp(max=k // 2 + 1)  # (an int k: a tensor on DEVICE too)
+        assert torch.equal(narrow, ref.top_k_positions(values, clamped, k // 2 + 1, -7))
 
 
 @pytest.mark.parametrize("pattern", CHOOSING)
