@@ -120,10 +120,16 @@ def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, st
     before = c < tl.program_id(1)
     above_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2, mask=before, other=0), 0)
     ties_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2 + 1, mask=before, other=0), 0)
+    room = tl.maximum(want - ties_before, 0)  # the ties this chunk may still take, its first ones
+    # one scan counts both, the keys above in the low half and the ties in the high (CHUNK < 2 ** 16)
+    above = (key > threshold).to(tl.int32)
     tie = (key == threshold).to(tl.int32)
-    taken = (key > threshold) | ((tie == 1) & (ties_before + tl.cumsum(tie, 0) - tie < want))
+    packed = above + (tie << 16)
+    before_i = tl.cumsum(packed, 0) - packed
+    ties_before_i = before_i >> 16
+    taken = (above == 1) | ((tie == 1) & (ties_before_i < room))
     taken &= k > 0
-    slot = above_before + tl.minimum(ties_before, want) + tl.cumsum(taken.to(tl.int32), 0) - 1
+    slot = above_before + tl.minimum(ties_before, want) + (before_i & 0xFFFF) + tl.minimum(ties_before_i, room)
     tl.store(Out + row * stride_o + slot, i, mask=taken)
     if tl.program_id(1) == 0:
         j = tl.arange(0, BLOCK_W)
