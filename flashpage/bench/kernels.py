@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             layer_rate = r["rate"] * r["ms"] / r["ms_per_layer"]
             print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:10.2f}"
-                  f" {r['fraction_of_ceiling']:8.0%}   {'':22s} {r['ms_per_layer']:8.4f} {bf16['ms_per_layer']:8.4f} "
+                  f" {r['fraction_of_ceiling']:8.0%}   {'':23s} {r['ms_per_layer']:8.4f} {bf16['ms_per_layer']:8.4f} "
                   f"{bf16['ms_per_layer'] / r['ms_per_layer']:7.2f}x {layer_rate / bw:8.0%}")
         print(f"\n{'paged prefill':14s} {args.kv_cache_dtype + ' ms':>10s} {'bf16 ms':>9s} {'vs bf16':>8s}"
               f" {'TFLOP/s':>8s} {'portable ms':>12s}")
