@@ -207,8 +207,7 @@ def quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_cache_dtype
 
 def per_layer_ms(q, table, cu, lens, splits, kv_cache_dtype: str, layers: int = 8) -> float:
     """ms per call of `layers` decodes over as many caches (a step's layers) replayed as one CUDA graph: each call
-    launches while the one before it runs (PDL), as in a decode step, where a lone call's graph launch and its
-    first loads are not on the path."""
+    launches while the one before it runs (PDL), as in a decode step, where no graph launch precedes each call."""
     shape = (table.numel(), BLOCK, HKV, D)
     caches = [quantized_cache(torch.randn(shape, device="cuda", dtype=torch.bfloat16),
                               torch.randn(shape, device="cuda", dtype=torch.bfloat16), kv_cache_dtype)

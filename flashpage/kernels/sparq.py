@@ -211,9 +211,9 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num
              stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
              PAGE_SIZE: tl.constexpr, ATTEND_SPLITS: tl.constexpr, BLOCK_AS: tl.constexpr):
     """out = alpha * (the splits' attention, merged) + (1 - alpha) * mean value; alpha = 1 where every key was
-    chosen. A sequence with no keys (a CUDA graph's padding) gets zeros. One program per BLOCK_D columns of a head:
-    one warp per head reading all of 128 splits' columns took 7.5 us a layer at batch 1 and 128k keys, 2.4 us in
-    32-column programs (docs/kernel-notes.md)."""
+    chosen. A sequence with no keys (a CUDA graph's padding) gets zeros. One program per BLOCK_D columns of a head,
+    few enough that it holds no more than 4,096 partial values: at batch 1 there are up to 128 splits
+    (docs/kernel-notes.md)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     h = head // GROUP
@@ -329,7 +329,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
         NUM_SPLITS=attend_splits, UPCAST=upcast, num_warps=attend_warps, num_stages=attend_stages)
     # 5. combine with the mean value
-    combine_d = min(block_d, max(16, 4096 // triton.next_power_of_2(attend_splits)))  # <= 4,096 partial values each
+    combine_d = min(block_d, max(16, 4096 // triton.next_power_of_2(attend_splits)))
     _combine[(batch, hq, triton.cdiv(dim, combine_d))](
         part_out, part_lse, part_alpha, kv_cache.v_cumsum, block_table, seq_lens_k, out, hkv, k,
         block_table.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=dim, BLOCK_D=combine_d,
