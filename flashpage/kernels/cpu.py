@@ -7,6 +7,7 @@ token trees attend to the keys before them without a mask (docs/cpu.md)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -65,11 +66,19 @@ def _kept(weight: torch.Tensor, kind: str, derive) -> torch.Tensor:
     return entry[2]
 
 
+@functools.cache
+def _onednn_bfloat16() -> bool:
+    """Whether oneDNN multiplies bfloat16 on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); on others (an AVX2-only
+    CPU) its weight reorder raises."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packed_product(x, weight, bias, residual):
     """x @ weight.T + bias + residual, a bfloat16 weight in oneDNN's blocked layout, kept beside it (1.2-1.5x
-    faster products, docs/cpu.md). Float32 stays plain: MKL's packed layout was 1.3x faster at 32 rows, but its
-    results then depend on the number of rows, so a verify step would no longer give the tokens decoding gives."""
-    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+    faster products, docs/cpu.md), where oneDNN takes bfloat16. Float32 stays plain: MKL's packed layout was 1.3x
+    faster at 32 rows, but its results then depend on the number of rows, so a verify step would no longer give the
+    tokens decoding gives."""
+    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or not _onednn_bfloat16():
         return reference.dense_product(x, weight, bias, residual)
     packed = _kept(weight, "packed", torch.ops.mkldnn._reorder_linear_weight)
     y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
