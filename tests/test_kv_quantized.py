@@ -175,7 +175,8 @@ def test_quantized_cache_holds_more_tokens_and_serves_every_feature(kind, smollm
     prefix sharing, n > 1, chunked prefill and preemption, requests start as they do alone over the same cache.
     Not token for token to the end, as with a 16/32-bit cache: a preempted sequence's K/V are recomputed by a
     prefill, whose float32 values differ from the decode's in the last bits, and rounding to 8 bits turns some of
-    those into a whole step."""
+    those into a whole step. A prompt prefilled in chunks differs from one prefilled whole in the same way: on an
+    AVX2-only CPU one INT8 greedy sequence of the six went its own way at its fifth token (AVX-512 CPUs: none)."""
     dense = engine_from(smollm_llm, cpu_kv_cache_gb=0.05)
     quantized = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, kv_cache_dtype=kind)
     stats, dense_stats = quantized.stats(), dense.stats()
@@ -196,7 +197,7 @@ def test_quantized_cache_holds_more_tokens_and_serves_every_feature(kind, smollm
     assert batched.stats()["num_preemptions"] > 0 and batched.stats()["prefix_cache_hits"] > 0
     alone = [tokens(engine_from(smollm_llm, kv_cache_dtype=kind), [p], [sp])[0] for p, sp in zip(prompts, params)]
     pairs = [(a, b) for t, u in zip(together, alone) for a, b in zip(t, u, strict=True)]
-    assert all(a[:12] == b[:12] for a, b in pairs)
+    assert sum(a[:12] != b[:12] for a, b in pairs) <= 1
     same = sum(x == y for a, b in pairs for x, y in zip(a, b)) / sum(len(b) for _, b in pairs)
     print(f"{kind} cache, batched and preempted against alone: {same:.0%} of the tokens equal")
     assert same > 0.75
