@@ -108,12 +108,13 @@ def main() -> None:
             tri.top_k_positions(values, 5)
             tri.top_k_positions(values, torch.full((3,), 4), 6, 50, torch.int64)
             tri.top_k_positions(values.repeat(1, 100), 300)  # (rows past MAX_ROW: the chunked select)
-        # SparQ decode (4 and 3 query heads per KV head; r under and at 16; the paper's basis and another) and its
-        # cache extras
-        sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous(), v_cumsum=torch.zeros(8, 2, 128))
+        # SparQ decode (4 and 3 query heads per KV head; r under 16 and over; the paper's basis and another) and its
+        # cache extras (the copy in e4m3)
+        sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous().to(torch.float8_e4m3fn),
+                              v_cumsum=torch.zeros(8, 2, 128))
         for basis in (None, rand(2, 128, 128, dtype=dtype)):
             sparq_cache.sparq_basis = basis
-            for heads, r in ((8, 16), (6, 8)):
+            for heads, r in ((8, 32), (6, 8)):
                 tri.sparq_attention(rand(2, heads, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=r,
                                     k=24)
             tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (the engine setting)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
     p.add_argument("--sparse-attention", type=json.loads, default=None,
-                   help='the engine setting, JSON: \'{"method": "sparq", "r": 16, "k": 8192}\'')
+                   help='the engine setting, JSON: \'{"method": "sparq", "r": 32, "k": 8192}\'')
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)

@@ -11,9 +11,9 @@ pieces of the same text) equal float32's.
 
 `--sparse`: sparse attention instead (`sparse_attention`): block-sparse prefill at about 25% and 10% of the causal
 keys (`bench.sparse.pattern_for`), the same with key blocks chosen per KV head (`CHOSEN_BLOCKS`, density 25% and
-10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of the dense decode's K/V
-bytes (r = 1/8 or 1/4 of the head dimension, k = 1/16 or 1/8 of the context, every token attended with SparQ as if
-decoded in turn: `"prompt": true`): perplexity of the second half of a window of each of --contexts tokens; and a
+10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of a 16-bit cache's dense
+decode bytes (r = 1/4 or 1/2 of the head dimension, one byte each in SparQ's e4m3 copy, k = 1/16 or 1/8 of the
+context, every token attended with SparQ as if decoded in turn: `"prompt": true`): perplexity of the second half of a window of each of --contexts tokens; and a
 retrieval check: a pass key stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at
 the end, answered greedily (`passkey_prompt`; SparQ decodes the answer over a densely prefilled prompt, as served;
 block-sparse prefills the prompt, the answer decoded densely), hits out of 10.
@@ -53,7 +53,7 @@ def perplexity(llm, ids: list[int], window: int) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
-SPARQ_BUDGETS = {"1/8": (8, 16), "1/4": (4, 8)}  # (head_dim / r, context / k)
+SPARQ_BUDGETS = {"1/8": (4, 16), "1/4": (2, 8)}  # (head_dim / r, context / k)
 
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

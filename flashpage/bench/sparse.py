@@ -9,10 +9,11 @@ group's heads ("chosen") or in one ("chosen1", `"sample_heads": "one"`), timed w
 the choice (the top-k and the tables' fill) and the attention.
 
 bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
-out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 16
-components: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 32, k = context / 8); at block size 16
-(the default) and 64 (a component's keys of one block are then 128 contiguous bytes instead of 32), and at 1/8
-reading the components from K itself instead of the component-major copy ("strided", "K" in the table). The
+out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 32
+components of one byte in the e4m3 copy: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 64, k = context
+/ 8); at block size 16 (the default) and 64 (a component's keys of one block are then 64 contiguous bytes instead
+of 16), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
+table: twice the copy's bytes). The
 copy is in an orthonormal basis per KV head, as the engine's default (`"basis": "pca"`), so the queries' turn into
 it is in the time; at 1/8 also without one (the paper's basis, "I" in the table; "strided" reads K as it is, so
 in the paper's basis too). Each is timed as a CUDA
@@ -34,10 +35,11 @@ from flashpage.kernels.attention import choose_num_splits
 from flashpage.kernels.block_sparse import BlockSparsePattern, choose_blocks
 from flashpage.kernels.triton_ops import paged_attention
 from flashpage.kv import KVCache
+from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
-BUDGETS = {"1/8": (16, 16), "1/4": (32, 8)}  # name: (r, context / k)
+BUDGETS = {"1/8": (32, 16), "1/4": (64, 8)}  # name: (r, context / k)
 
 
 def graph_ms(fn) -> float:
@@ -56,7 +58,7 @@ def sparq_cache(batch: int, context: int, block: int = 16) -> tuple[KVCache, tor
     k = torch.randn(blocks, block, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, context // block)
-    k_t = k.permute(0, 2, 3, 1).contiguous()
+    k_t = k.permute(0, 2, 3, 1).contiguous().to(SPARQ_COPY_DTYPE)
     v_cumsum = torch.empty(blocks, HKV, D, device="cuda", dtype=torch.float32)
     for i in range(batch):  # each block: the sequence's values summed up to its end
         rows = table[i].long()
@@ -187,7 +189,7 @@ def run(copy_tbs: float, matmul_tflops: float, sparq_decode: bool = True) -> lis
               f"{r['sparse_tflops_on_kept']:15.0f}{extra}")
     free = torch.cuda.mem_get_info()[0]
     for batch, context in SHAPES if sparq_decode else []:
-        need = 3 * batch * context * HKV * D * 2 * 1.6  # K, V, K again, and room for the step's buffers
+        need = 5 * batch * context * HKV * D * 1.6  # K, V (2 bytes), their copy (1), room for the step's buffers
         if need > free:
             print(f"sparq decode {batch}x{context}: left out (needs about {need / 2**30:.0f} GiB)", flush=True)
             continue

@@ -103,7 +103,8 @@ class LLMEngine:
         self.proposer = make_proposer(self.spec, cfg, self.runner, draft) if self.spec else None
         self.spec_stats = SpecStats(self.spec.num_speculative_tokens if self.spec else 0)
         sparse = cfg.sparse
-        self.sparse_stats = SparseStats(sparse, self.runner.config.head_dim) if sparse else None
+        self.sparse_stats = SparseStats(sparse, self.runner.config.head_dim,
+                                        self.runner.kv_caches[0].k.element_size()) if sparse else None
         self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
         self.limits = EngineLimits(self.config.vocab_size, cfg.max_model_len, cfg.max_logprobs, cfg.block_size,
                                    self.bm.num_blocks, tuple(sorted(self.eos_ids)))

@@ -27,6 +27,7 @@ import torch
 
 from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
+from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 METHODS = {"sparq": ("r", "k", "prompt", "basis"),
            "block": ("block", "sink", "local", "stride", "density", "sample", "sample_heads")}
@@ -157,10 +158,12 @@ def sparq_turns(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @dataclass
 class SparseStats:
     """What sparse attention read, summed over the queries it served (each layer alike): keys attended (exactly)
-    against the keys dense attention would have, and bytes read against dense attention's K and V (SparQ: r / (2
-    head_dim) of every key's bytes for the approximate scores, plus the chosen keys and values)."""
+    against the keys dense attention would have, and bytes read against dense attention's K and V (SparQ: r bytes
+    of every key's 2 * head_dim * key_bytes for the approximate scores, its copy being one byte a component, plus
+    the chosen keys and values)."""
     config: SparseAttentionConfig
     head_dim: int
+    key_bytes: int  # bytes of one element of the cache's K
     keys_visible: int = 0
     keys_attended: int = 0
 
@@ -178,6 +181,9 @@ class SparseStats:
 
     def as_dict(self) -> dict:
         visible = max(self.keys_visible, 1)
-        approx = self.config.r / (2 * self.head_dim) * self.keys_visible if self.config.method == "sparq" else 0
+        approx = 0.0  # (SparQ's r components of every key, from its copy)
+        if self.config.method == "sparq":
+            per_key = self.config.r * SPARQ_COPY_DTYPE.itemsize / (2 * self.head_dim * self.key_bytes)
+            approx = per_key * self.keys_visible
         return {"sparse_attention_keys_fraction": self.keys_attended / visible,
                 "sparse_attention_bytes_fraction": (approx + self.keys_attended) / visible}

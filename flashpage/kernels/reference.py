@@ -320,7 +320,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     queries by its `sparq_query_basis` (the inverse transpose, so q.k is kept; the paper's basis is the identity)
     for steps 1 and 2:
     1. the r components where the group's queries are largest in magnitude (|q| summed over the group's heads);
-    2. approximate scores from those components of every key, each head's softmax temperature scaled by
+    2. approximate scores from those components of every key, rounded to e4m3 (`as_sparq_copy`: what the cache's
+       copy `k_t` holds, read from it where the cache has one), each head's softmax temperature scaled by
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
     3. the k keys with the largest approximate probability summed over the group's heads;
     4. exact attention over those k keys, weighted by alpha, the approximate probability they hold, plus
@@ -335,9 +336,12 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     basis = None if kv_cache.sparq_basis is None else kv_cache.sparq_basis.to(dt)
     query_basis = None if kv_cache.sparq_query_turn is None else kv_cache.sparq_query_turn.to(dt)
     for i, len_k in enumerate(lens_k):
-        pages = read_pages(kv_cache, block_table[i, : -(-len_k // page)], q.dtype)
-        keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in pages)
-        turned = in_basis(keys, basis)  # (the approximate scores' keys)
+        blocks = block_table[i, : -(-len_k // page)].long()
+        keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in read_pages(kv_cache, blocks, q.dtype))
+        if kv_cache.k_t is None:  # the approximate scores' keys, as `k_t` would hold them
+            turned = as_sparq_copy(in_basis(keys, basis))
+        else:  # `k_t` itself, [blocks, Hkv, D, block_size] -> [keys, Hkv, D]
+            turned = kv_cache.k_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:len_k].to(dt)
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
@@ -377,6 +381,12 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis):
     return o.reshape(n, hq, dim)
 
 
+def as_sparq_copy(keys: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Turned keys as SparQ's copy `k_t` stores them: saturated to e4m3's range and rounded to it; in `dtype`
+    (default: back in the keys' own)."""
+    return keys.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(dtype or keys.dtype)
+
+
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key, in the cache's
     `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size], and for each block written
@@ -386,7 +396,8 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page = kv_cache.block_size
-    kv_cache.k_t[slots // page, :, :, slots % page] = in_basis(k[keep], kv_cache.sparq_basis).to(kv_cache.k_t.dtype)
+    kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(in_basis(k[keep], kv_cache.sparq_basis),
+                                                                    FP8)
     cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     for i, length in enumerate(lens):
         if length == 0 or cu[i + 1] == cu[i]:  # (a CUDA graph's padding sequence)

@@ -5,7 +5,7 @@ pass over memory, so that a step reads r / head_dim of the keys, k whole keys an
 sum, instead of every key and value:
 1. `_approximate_scores` chooses the r components of each (sequence, KV head), the largest of |q| summed over the
    group (`tl.topk`, in every program: 128 values),
-2. and those components of every key, from the component-major copy `k_t` (one 32-byte run per
+2. and those components of every key, from the component-major copy `k_t` (e4m3: one 16-byte run per
    component and page of 16), give each head's approximate scores (kept, a key's heads side by side) and, per
    split of the keys, their running max and sum;
 3. `_aggregate`: each key's approximate probability summed over the group's heads; `top_k_positions`
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import sm_count
+from flashpage.kernels.fp8 import FP8_MAX
 from flashpage.kernels.topk import top_k_positions
 
 _LOG2E = 1.4426950408889634
@@ -93,16 +94,24 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_sca
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     kt_rows = h * stride_head + comp.to(tl.int64) * stride_comp  # within a block
+    t = tl.arange(0, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         ok = n < hi
-        block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
-        # each component's keys of one page are PAGE_SIZE contiguous values: one vector load (BLOCK_N is a multiple
-        # of PAGE_SIZE and so is every tile's start)
-        in_page = tl.max_contiguous(tl.multiple_of(n % PAGE_SIZE, PAGE_SIZE), PAGE_SIZE)
-        kt = tl.load(KT + block[None, :] * stride_block + kt_rows[:, None] + in_page[None, :] * stride_tok,
-                     mask=j_ok[:, None] & ok[None, :], other=0.0)
-        s = tile_dot(q_hat, kt, UPCAST) * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
+        # the tile's pages (BLOCK_N is a multiple of PAGE_SIZE and so is every tile's start), each read whole: a
+        # component's keys of one page are PAGE_SIZE contiguous values, which the compiler loads as vectors only
+        # where it sees them as [.., PAGE_SIZE] under one mask (keys past the end are masked in the scores below)
+        page = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
+        page_ok = page * PAGE_SIZE < hi
+        block = tl.load(BlockTable + b * stride_bt + page, mask=page_ok, other=0).to(tl.int64)
+        kt = tl.load(KT + block[None, :, None] * stride_block + kt_rows[:, None, None] + t[None, None, :] * stride_tok,
+                     mask=j_ok[:, None, None] & page_ok[None, :, None], other=0.0)
+        kt = tl.reshape(kt, [BLOCK_R, BLOCK_N])
+        if q_hat.dtype == tl.float32 or kt.dtype == tl.float32:  # (a float32 cache, or `strided` reading one)
+            s = tile_dot(q_hat.to(tl.float32), kt.to(tl.float32), UPCAST)
+        else:  # e4m3 (the copy) converts to fp16 exactly; bf16 queries do too, within fp16's range
+            s = tile_dot(q_hat.to(tl.float16), kt.to(tl.float16), UPCAST)
+        s = s * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
         s = tl.where(ok[None, :], s, float("-inf"))
         tl.store(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
                  s.to(Logits.dtype.element_ty), mask=g_ok[:, None] & ok[None, :])
@@ -259,8 +268,8 @@ def _splits(batch: int, kv_heads: int, work: int, device: torch.device) -> int:
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
                     out=None, num_splits=None, tiles=None, strided=False):
     """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
-    attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step and warps of
-    the scores; keys per step, warps and pipeline stages of the attention) their shapes (tests, benchmark sweeps).
+    attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step, warps and
+    pipeline stages of the scores; the same of the attention) their shapes (tests, benchmark sweeps).
     strided=True reads the r components from the cache's K instead of its component-major copy (what the copy
     saves, measured by `bench kernels --sparse`)."""
     if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
@@ -276,7 +285,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
     max_keys = block_table.shape[1] * page
     num_chosen = min(k, max_keys)
-    block_n, score_warps, attend_n, attend_warps, attend_stages = tiles or (64, 1, 32, 4, 3)
+    block_n, score_warps, score_stages, attend_n, attend_warps, attend_stages = tiles or (64, 1, 1, 32, 4, 3)
     block_n = max(block_n, page)
     score_splits, attend_splits = num_splits or (
         _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device),
@@ -307,7 +316,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
         *key_strides, GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
         HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
-        num_warps=score_warps)
+        num_warps=score_warps, num_stages=score_stages)
     # 3. each key's summed probability; the k most likely keys
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
@@ -339,12 +348,33 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 
 @triton.jit
+def _to_e4m3(x, COPY_MAX: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 x saturated to +-COPY_MAX and rounded to e4m3 (to nearest, ties to even), as torch rounds it. The GPU
+    converts in one instruction; Triton 3.6's interpreter drops the carry of a rounding that overflows the mantissa
+    (1.955 -> 1.0) and gets subnormals wrong, so there the bits are made here."""
+    x = tl.minimum(tl.maximum(x, -COPY_MAX), COPY_MAX)
+    if not INTERPRET:
+        return x.to(tl.float8e4nv)
+    a = tl.abs(x)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)  # the binade (subnormals: that of 2 ** -6)
+    units = a * tl.exp2(3.0 - e)  # in steps of the binade's spacing, 2 ** (e - 3)
+    units = (units + 12582912.0) - 12582912.0  # rounded to an integer, ties to even (float32's own rounding)
+    e = tl.where(units >= 16.0, e + 1.0, e)  # a carry into the next binade
+    units = tl.where(units >= 16.0, units * 0.5, units)
+    normal = units >= 8.0
+    bits = tl.where(normal, (e + 7.0) * 8.0 + units - 8.0, units).to(tl.int32)  # exponent field, mantissa
+    bits = tl.where(x < 0, bits | 0x80, bits)
+    return bits.to(tl.int8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
 def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK, num_kv_heads,
                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr):
+                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr,
+                        COPY_MAX: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per (sequence, KV head): its new keys (turned into the KV head's basis, with HAS_BASIS) into
-    k_t, then the running value sums of the blocks it wrote to, in order (each block's from the one before: no
+    k_t in e4m3, then the running value sums of the blocks it wrote to, in order (each block's from the one before: no
     other program could supply them in time)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -376,7 +406,7 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeq
         if HAS_BASIS:  # rounded to the keys' dtype, as the reference's product is
             k = tile_dot(k, turn, UPCAST).to(K.dtype.element_ty)
         tl.store(KT + ((block * num_kv_heads + h) * HEAD_DIM + d[None, :]) * PAGE_SIZE + t[:, None],
-                 k.to(KT.dtype.element_ty), mask=new[:, None] & d_ok[None, :])
+                 _to_e4m3(k.to(tl.float32), COPY_MAX, INTERPRET), mask=new[:, None] & d_ok[None, :])
         v = tl.load(V + block * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :],
                     mask=(in_page & (pos < length))[:, None] & d_ok[None, :], other=0.0)
         total += tl.sum(v.to(tl.float32), 0)
@@ -396,4 +426,4 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
         k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page, ROWS=max(page, 16), HAS_BASIS=basis is not None,
-        UPCAST=_upcast(k.dtype))
+        UPCAST=_upcast(k.dtype), COPY_MAX=FP8_MAX, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
