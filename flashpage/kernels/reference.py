@@ -381,10 +381,10 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis):
     return o.reshape(n, hq, dim)
 
 
-def as_sparq_copy(keys: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Turned keys as SparQ's copy `k_t` stores them: saturated to e4m3's range and rounded to it; in `dtype`
-    (default: back in the keys' own)."""
-    return keys.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(dtype or keys.dtype)
+def as_sparq_copy(keys: torch.Tensor) -> torch.Tensor:
+    """Turned keys as SparQ's copy `k_t` stores them (saturated to e4m3's range and rounded to it), back in their
+    own dtype."""
+    return keys.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(keys.dtype)
 
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
@@ -396,8 +396,7 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page = kv_cache.block_size
-    kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(in_basis(k[keep], kv_cache.sparq_basis),
-                                                                    FP8)
+    kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(in_basis(k[keep], kv_cache.sparq_basis)).to(FP8)
     cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     for i, length in enumerate(lens):
         if length == 0 or cu[i + 1] == cu[i]:  # (a CUDA graph's padding sequence)
