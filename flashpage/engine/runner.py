@@ -30,6 +30,7 @@ from flashpage.engine.sampler import sample_rows
 from flashpage.engine.sparse import CALIBRATION_TOKENS, calibration_ids, sparq_turns
 from flashpage.engine.spec import target_feature_layers
 from flashpage.engine.step import SampledToken, SampleRow, SampleSpec, SeqStep, StepPlan, StepResult
+from flashpage.kernels.device import interpreting
 from flashpage.kernels.fp8 import check_fp8_support
 from flashpage.kv import KV_CACHE_DTYPES, allocate_kv_caches, kv_bytes_per_block
 from flashpage.loader import LoadedModel, load_model
@@ -119,7 +120,7 @@ class ModelRunner:
         if cfg.deterministic:
             if cfg.kernels not in ("auto", "batch_invariant"):
                 raise ValueError(f"deterministic=True runs the batch-invariant kernels, not kernels={cfg.kernels!r}")
-            if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            if device == "cpu" and not interpreting():
                 raise ValueError("deterministic=True needs a CUDA device: its kernels are Triton's (on CPU they run "
                                  "only in Triton's interpreter, TRITON_INTERPRET=1, far too slowly but for tests)")
             kernels = "batch_invariant"

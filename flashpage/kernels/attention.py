@@ -17,7 +17,6 @@ position k_len - q_len + i. window_size = (left, right) keeps keys in [pos - lef
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -26,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashpage.kernels import hopper_prefill, pdl
 from flashpage.kernels.block_sparse import head_stride
-from flashpage.kernels.device import sm_count
+from flashpage.kernels.device import interpreting, sm_count
 from flashpage.kernels.fp8 import dequantize_heads, quantize_heads
 from flashpage.kernels.pdl import release_next, wait_for_previous
 from flashpage.kernels.tree import check_query_mask
@@ -424,7 +423,7 @@ def _launch(q, k, v, out, cu_q, cu_k, seq_lens_k, block_table, max_seqlen_q, max
     if total_q == 0 or batch == 0:
         return out
     scale = _sm_scale_log2(softmax_scale, dim)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     if (tiles is None and not batch_invariant and tree_mask is None
             and num_splits == 1 and max_seqlen_q * group > 16 and not interpret
             and hopper_prefill.serves(q, k, v, page_size if paged else None)):
@@ -508,7 +507,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if fp8:
         if tiles is not None or batch_invariant:
             raise ValueError("fp8 attention takes neither tiles nor batch_invariant")
-        if os.environ.get("TRITON_INTERPRET") != "1" and hopper_prefill.serves(q, k, v, None):
+        if not interpreting() and hopper_prefill.serves(q, k, v, None):
             return hopper_prefill.prefill_fp8(hopper_prefill.quantize_inputs(q, k, v, cu_seqlens_k), out, cu_seqlens_q,
                                               max_seqlen_q, max_seqlen_k, causal=causal,
                                               sm_scale_log2=_sm_scale_log2(softmax_scale, q.shape[-1]),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashpage.kernels.fp8 import to_e4m3
+
 
 @triton.jit
 def _reshape_and_cache_kernel(K, V, KCache, VCache, KScale, VScale, SlotMapping, stride_kt, stride_kh, stride_vt,
@@ -53,8 +55,8 @@ def to_cache_dtype(x, scale, Cache):
     """x as the cache stores it, divided by `scale` (from cache_scale)."""
     ty = Cache.dtype.element_ty
     if ty == tl.float8e4nv:
-        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
-    elif ty == tl.int8:
+        return to_e4m3(x.to(tl.float32) / scale)
+    if ty == tl.int8:
         x = tl.minimum(tl.maximum(tl.floor(x.to(tl.float32) / scale + 0.5), -127.0), 127.0)
     return x.to(ty)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -11,3 +12,9 @@ import torch
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (cached: the query is slow)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, as the tests do): some conversions and
+    products differ there, and no PTX runs."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

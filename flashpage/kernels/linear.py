@@ -29,8 +29,6 @@ one shape serves every size.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +36,7 @@ import triton.language as tl
 from flashpage.kernels import pdl
 from flashpage.kernels.activation import silu_mul
 from flashpage.kernels.attention import exact_cast, tile_dot
+from flashpage.kernels.device import interpreting
 from flashpage.kernels.fp8 import FP8
 from flashpage.kernels.pdl import prefetch_l2, release_next, wait_for_previous
 from flashpage.kernels.quantize import quantize_rows
@@ -126,7 +125,7 @@ def invariant_linear(x, weight, bias=None, *, silu_mul=False, residual=None, out
     """As skinny_linear, for any number of rows, each row's result independent of the others (module docstring)."""
     m = x.shape[0]
     # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the fastest of the sweep's shapes at each size on an H100
-    if x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1":
+    if x.dtype == torch.float32 or interpreting():
         tiles = (64, 64, 64, 4, 3)
     elif m <= MAX_ROWS:
         tiles = (MAX_ROWS, *_tiles(silu_mul))
@@ -149,7 +148,7 @@ def fp8_linear(x, weight, weight_scale, bias=None, *, norm_weight=None, eps=0.0,
 def _fp8_tiles(m: int, silu_mul: bool) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for FP8 products of m rows: the fastest of a sweep over
     llama-3-8b's projections on an H100 (docs/kernel-notes.md)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return (32, 32, 64, 4, 2)
     if silu_mul:
         return (64, 64, 128, 4, 4) if m <= 64 else (128, 128, 128, 8, 4)
@@ -191,7 +190,7 @@ def _linear(x, weight, bias, silu_mul, residual, out_dtype, weight_scale, tiles,
         out.stride(0), SILU_MUL=silu_mul, FP8_WEIGHT=weight_scale is not None, FP8_INPUT=x_scale is not None,
         HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k,
-        UPCAST=x.dtype in (torch.bfloat16, FP8) and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=x.dtype in (torch.bfloat16, FP8) and interpreting(),
         PDL=launch_pdl, PREFETCH=_prefetch_columns(k, weight.element_size()) if launch_pdl else 0,
         launch_pdl=launch_pdl, num_warps=warps, num_stages=stages)
     return out

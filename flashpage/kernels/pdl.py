@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.device import interpreting
+
 
 @functools.lru_cache
 def _capable(index: int) -> bool:
@@ -27,7 +29,7 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL: a CUDA GPU of sm_90 or later, not under the interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FLASHPAGE_PDL") == "0":
+    if device.type != "cuda" or interpreting() or os.environ.get("FLASHPAGE_PDL") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.activation import silu_mul
-from flashpage.kernels.fp8 import FP8, FP8_MAX, head_scales
+from flashpage.kernels.fp8 import FP8, FP8_MAX, head_scales, to_e4m3
 from flashpage.kernels.norm import rms_normalize
 
 
@@ -34,8 +34,7 @@ def _quantize_rows_kernel(X, NormWeight, Q, Scale, K, stride_x, stride_q, eps, F
     largest = tl.max(tl.abs(x), axis=0)
     scale = tl.where(largest > 0, largest / FMAX, 1.0)
     tl.store(Scale + row, scale)
-    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
-    tl.store(Q + row * stride_q + k, q.to(Q.dtype.element_ty), mask=ok)
+    tl.store(Q + row * stride_q + k, to_e4m3(x / scale), mask=ok)
 
 
 def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -58,15 +57,15 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps:
 
 @triton.jit
 def _quantize_heads_kernel(X, Scale, Out, Rows, T, stride_xt, stride_xh, stride_ot, stride_oh, stride_od,
-                           FMAX: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+                           ROWS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     d = tl.arange(0, D)
     ok = (t < T)[:, None]
     x = tl.load(X + t.to(tl.int64)[:, None] * stride_xt + head * stride_xh + d[None, :], mask=ok, other=0.0)
-    q = tl.minimum(tl.maximum(x.to(tl.float32) / tl.load(Scale + head), -FMAX), FMAX)
+    q = to_e4m3(x.to(tl.float32) / tl.load(Scale + head))
     row = tl.load(Rows + t, mask=t < T, other=0).to(tl.int64) if ROWS else t.to(tl.int64)
-    tl.store(Out + row[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od, q.to(Out.dtype.element_ty),
+    tl.store(Out + row[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od, q,
              mask=ok)
 
 
@@ -84,5 +83,5 @@ def quantize_heads(x: torch.Tensor, out: torch.Tensor | None = None, rows: torch
         block = max(1, 4096 // dim)
         _quantize_heads_kernel[(triton.cdiv(tokens, block), heads)](
             x, scale, out, x if rows is None else rows, tokens, x.stride(0), x.stride(1), *out.stride(),
-            FMAX=FP8_MAX, ROWS=rows is not None, D=dim, BLOCK_T=block, num_warps=4)
+            ROWS=rows is not None, D=dim, BLOCK_T=block, num_warps=4)
     return out, scale

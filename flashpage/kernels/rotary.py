@@ -8,8 +8,6 @@ two tokens a program. While the programs are few, a second one beside each does 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +15,7 @@ import triton.language as tl
 from flashpage.kernels import pdl
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.cache import cache_scale, scale_pointers, to_cache_dtype
+from flashpage.kernels.device import interpreting
 from flashpage.kernels.pdl import release_next, wait_for_previous
 
 
@@ -144,6 +143,6 @@ def rope_and_cache(q, k, cos, sin, v=None, kv_cache=None, slot_mapping=None):
         BLOCK_HQ=max(heads_least, triton.next_power_of_2(hq)), BLOCK_HK=max(heads_least, triton.next_power_of_2(hkv)),
         BLOCK_HALF=max(least, triton.next_power_of_2(half)), TOKENS=tokens, ROTATE_KEYS=rotate, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1,
-        UPCAST=rotate and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        UPCAST=rotate and q.dtype == torch.bfloat16 and interpreting(),
         KEYS_PROGRAM=int(split), PDL=early, launch_pdl=early)
     return q, k

@@ -24,15 +24,13 @@ are.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from flashpage.kernels.attention import tile_dot
-from flashpage.kernels.device import sm_count
-from flashpage.kernels.fp8 import FP8_MAX
+from flashpage.kernels.device import interpreting, sm_count
+from flashpage.kernels.fp8 import to_e4m3
 from flashpage.kernels.topk import top_k_positions
 
 _LOG2E = 1.4426950408889634
@@ -248,7 +246,7 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num
 
 def _upcast(dtype: torch.dtype) -> bool:
     """Whether bf16 tiles reach tl.dot as float32: the CPU interpreter multiplies bf16 wrongly (`tile_dot`)."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype == torch.bfloat16 and interpreting()
 
 
 def _basis(basis: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -348,31 +346,10 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 
 @triton.jit
-def _to_e4m3(x, COPY_MAX: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 x saturated to +-COPY_MAX and rounded to e4m3 (to nearest, ties to even), as torch rounds it. The GPU
-    converts in one instruction; Triton 3.6's interpreter drops the carry of a rounding that overflows the mantissa
-    (1.955 -> 1.0) and gets subnormals wrong, so there the bits are made here."""
-    x = tl.minimum(tl.maximum(x, -COPY_MAX), COPY_MAX)
-    if not INTERPRET:
-        return x.to(tl.float8e4nv)
-    a = tl.abs(x)
-    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)  # the binade (subnormals: that of 2 ** -6)
-    units = a * tl.exp2(3.0 - e)  # in steps of the binade's spacing, 2 ** (e - 3)
-    units = (units + 12582912.0) - 12582912.0  # rounded to an integer, ties to even (float32's own rounding)
-    e = tl.where(units >= 16.0, e + 1.0, e)  # a carry into the next binade
-    units = tl.where(units >= 16.0, units * 0.5, units)
-    normal = units >= 8.0
-    bits = tl.where(normal, (e + 7.0) * 8.0 + units - 8.0, units).to(tl.int32)  # exponent field, mantissa
-    bits = tl.where(x < 0, bits | 0x80, bits)
-    return bits.to(tl.int8).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
 def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK, num_kv_heads,
                         stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr,
-                        COPY_MAX: tl.constexpr, INTERPRET: tl.constexpr):
+                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (sequence, KV head): its new keys (turned into the KV head's basis, with HAS_BASIS) into
     k_t in e4m3, then the running value sums of the blocks it wrote to, in order (each block's from the one before: no
     other program could supply them in time)."""
@@ -406,7 +383,7 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeq
         if HAS_BASIS:  # rounded to the keys' dtype, as the reference's product is
             k = tile_dot(k, turn, UPCAST).to(K.dtype.element_ty)
         tl.store(KT + ((block * num_kv_heads + h) * HEAD_DIM + d[None, :]) * PAGE_SIZE + t[:, None],
-                 _to_e4m3(k.to(tl.float32), COPY_MAX, INTERPRET), mask=new[:, None] & d_ok[None, :])
+                 to_e4m3(k.to(tl.float32)), mask=new[:, None] & d_ok[None, :])
         v = tl.load(V + block * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :],
                     mask=(in_page & (pos < length))[:, None] & d_ok[None, :], other=0.0)
         total += tl.sum(v.to(tl.float32), 0)
@@ -426,4 +403,4 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
         k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page, ROWS=max(page, 16), HAS_BASIS=basis is not None,
-        UPCAST=_upcast(k.dtype), COPY_MAX=FP8_MAX, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1")
+        UPCAST=_upcast(k.dtype))
