@@ -57,14 +57,34 @@ def _turn_queries(Q, Basis, Out, num_heads, stride_qb, stride_qh, GROUP: tl.cons
 
 
 @triton.jit
+def _tile_pages(BlockTable, b, stride_bt, start, hi, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The cache blocks of the tile of keys from `start` (a multiple of PAGE_SIZE), and which of them hold keys."""
+    page = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
+    page_ok = page * PAGE_SIZE < hi
+    return tl.load(BlockTable + b * stride_bt + page, mask=page_ok, other=0).to(tl.int64), page_ok
+
+
+@triton.jit
+def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE: tl.constexpr):
+    """The chosen components of a tile's keys, [BLOCK_R, pages, PAGE_SIZE]: each page read whole, since a
+    component's keys of one page are PAGE_SIZE contiguous values, which the compiler loads as vectors only where it
+    sees them as [.., PAGE_SIZE] under one mask (keys past the end are masked in the scores)."""
+    t = tl.arange(0, PAGE_SIZE)
+    return tl.load(KT + block[None, :, None] * stride_block + kt_rows[:, None, None] + t[None, None, :] * stride_tok,
+                   mask=j_ok[:, None, None] & page_ok[None, :, None], other=0.0)
+
+
+@triton.jit
 def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2,
                         num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block,
                         stride_head, stride_comp, stride_tok,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows are the group's heads (GROUP_PAD >= 16 of them, for the tensor cores), columns BLOCK_N keys. KT is the
-    component-major copy (stride_tok 1), or the cache's K itself (strided reads, for comparison)."""
+    """Tiles of BLOCK_N keys by the group's heads (the keys are the product's rows, so the scores come out as
+    Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
+    tensor cores compute beyond it). KT is the component-major copy (stride_tok 1), or the cache's K itself
+    (strided reads, for comparison)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -85,6 +105,10 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_sca
     # each head's temperature: the share of its |q| that the chosen components carry
     frac = tl.sum(tl.abs(q_hat.to(tl.float32)), 1) / tl.maximum(tl.sum(tl.abs(q), 1), 1e-30)
     scale = sm_scale_log2 / tl.sqrt(tl.maximum(frac, 1e-30))
+    if q_hat.dtype == tl.float32 or KT.dtype.element_ty == tl.float32:  # (a float32 cache, or `strided` on one)
+        q_hat_t = tl.trans(q_hat.to(tl.float32))  # [BLOCK_R, GROUP_PAD]
+    else:  # e4m3 (the copy) converts to fp16 exactly; bf16 queries do too, within fp16's range
+        q_hat_t = tl.trans(q_hat.to(tl.float16))
 
     tiles = tl.cdiv(n_keys, BLOCK_N)
     lo = (split * tiles // NUM_SPLITS) * BLOCK_N
@@ -92,30 +116,25 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_sca
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     kt_rows = h * stride_head + comp.to(tl.int64) * stride_comp  # within a block
-    t = tl.arange(0, PAGE_SIZE)
+    # loads run ahead of their use (the block numbers two tiles, the keys one), so that no load in the loop waits
+    # for another: a warp's tile is small, and a load that waited on its block number paid two latencies
+    block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo, hi, BLOCK_N, PAGE_SIZE)
+    kt = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
+    block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo + BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
+        kt_next = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
+        block, page_ok = _tile_pages(BlockTable, b, stride_bt, start + 2 * BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
+        k_hat = tl.trans(tl.reshape(kt, [BLOCK_R, BLOCK_N]))
+        s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [BLOCK_N, GROUP_PAD], base 2
         n = start + tl.arange(0, BLOCK_N)
         ok = n < hi
-        # the tile's pages (BLOCK_N is a multiple of PAGE_SIZE and so is every tile's start), each read whole: a
-        # component's keys of one page are PAGE_SIZE contiguous values, which the compiler loads as vectors only
-        # where it sees them as [.., PAGE_SIZE] under one mask (keys past the end are masked in the scores below)
-        page = start // PAGE_SIZE + tl.arange(0, BLOCK_N // PAGE_SIZE)
-        page_ok = page * PAGE_SIZE < hi
-        block = tl.load(BlockTable + b * stride_bt + page, mask=page_ok, other=0).to(tl.int64)
-        kt = tl.load(KT + block[None, :, None] * stride_block + kt_rows[:, None, None] + t[None, None, :] * stride_tok,
-                     mask=j_ok[:, None, None] & page_ok[None, :, None], other=0.0)
-        kt = tl.reshape(kt, [BLOCK_R, BLOCK_N])
-        if q_hat.dtype == tl.float32 or kt.dtype == tl.float32:  # (a float32 cache, or `strided` reading one)
-            s = tile_dot(q_hat.to(tl.float32), kt.to(tl.float32), UPCAST)
-        else:  # e4m3 (the copy) converts to fp16 exactly; bf16 queries do too, within fp16's range
-            s = tile_dot(q_hat.to(tl.float16), kt.to(tl.float16), UPCAST)
-        s = s * scale[:, None]  # [GROUP_PAD, BLOCK_N], base 2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        tl.store(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
-                 s.to(Logits.dtype.element_ty), mask=g_ok[:, None] & ok[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        s = tl.where(ok[:, None], s, float("-inf"))
+        tl.store(Logits + b * stride_lb + h * stride_lh + n[:, None] * GROUP + g[None, :],
+                 s.to(Logits.dtype.element_ty), mask=ok[:, None] & g_ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[None, :]), 0)
         m_i = m_new
+        kt = kt_next
     part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
     tl.store(PartM + part, m_i, mask=g_ok)
     tl.store(PartL + part, l_i, mask=g_ok)
@@ -159,6 +178,17 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, 
 
 
 @triton.jit
+def _chosen_tile(Chosen, BlockTable, b, h, n_keys, start, hi, stride_xb, stride_xh, stride_bt, BLOCK_N: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
+    """The chosen places from `start` (int64 in Chosen), which of them are keys, and their cache blocks."""
+    i = start + tl.arange(0, BLOCK_N)
+    key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0).to(tl.int32)
+    ok = (i < hi) & (key < n_keys)  # a sequence shorter than k chose some places past its end
+    block = tl.load(BlockTable + b * stride_bt + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+    return key, ok, block
+
+
+@triton.jit
 def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
                    sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch, stride_cb,
                    stride_bt, stride_lb, stride_lh, stride_xb, stride_xh,
@@ -185,24 +215,27 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # each tile's chosen places and their blocks are read a tile ahead, so that its keys' and values' loads need
+    # not wait for them
+    key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, lo, hi, stride_xb, stride_xh, stride_bt,
+                                  BLOCK_N, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
-        i = start + tl.arange(0, BLOCK_N)
-        key = tl.load(Chosen + b * stride_xb + h * stride_xh + i, mask=i < hi, other=0).to(tl.int32)  # (int64)
-        ok = (i < hi) & (key < n_keys)  # a sequence shorter than k chose some places past its end
-        block = tl.load(BlockTable + b * stride_bt + key // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         row = block * stride_cb + (key % PAGE_SIZE) * stride_ct + h * stride_ch
         k = tl.load(KCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        s = tile_dot(q, tl.trans(k), UPCAST)
-        s = tl.where(ok[None, :], s * sm_scale_log2, float("-inf"))
+        v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g[:, None],
                         mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
+        tile_ok = ok
+        key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, start + BLOCK_N, hi, stride_xb, stride_xh,
+                                      stride_bt, BLOCK_N, PAGE_SIZE)
+        s = tile_dot(q, tl.trans(k), UPCAST)
+        s = tl.where(tile_ok[None, :], s * sm_scale_log2, float("-inf"))
         alpha += tl.sum(tl.exp2(s_hat - lse[:, None]), 1)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         rescale = tl.exp2(m_i - m_safe)
         l_i = l_i * rescale + tl.sum(p, 1)
-        v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * rescale[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
     part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
@@ -283,7 +316,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     scale = (softmax_scale if softmax_scale is not None else dim**-0.5) * _LOG2E
     max_keys = block_table.shape[1] * page
     num_chosen = min(k, max_keys)
-    block_n, score_warps, score_stages, attend_n, attend_warps, attend_stages = tiles or (64, 1, 1, 32, 4, 3)
+    block_n, score_warps, score_stages, attend_n, attend_warps, attend_stages = tiles or (64, 1, 1, 64, 4, 2)
     block_n = max(block_n, page)
     score_splits, attend_splits = num_splits or (
         _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device),
@@ -312,7 +345,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     _approximate_scores[(batch, hkv, score_splits)](
         q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
         hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
-        *key_strides, GROUP=group, GROUP_PAD=max(16, group_pad), R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
+        *key_strides, GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
         HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         num_warps=score_warps, num_stages=score_stages)
     # 3. each key's summed probability; the k most likely keys
