@@ -109,6 +109,7 @@ CASES = [
     ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3)),  # SmolLM2's group of 3, pages of 8
     ([150], 6, 2, 80, 16, 10, 32, (2, 2)),  # head dim 80
     ([260, 33], 8, 1, 128, 32, 16, 64, None),  # MQA, large pages
+    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2)),  # pages of 64: a tile of the scores is one page
     ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64)),  # more attention splits than tiles; the combine in
     # 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
 ]
