@@ -21,6 +21,7 @@ from flashpage.kernels.device import interpreting
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _INTERPRET = tl.constexpr(interpreting())
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @dataclass
@@ -90,11 +91,11 @@ def scaled_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_
 
 @triton.jit
 def to_e4m3(x):
-    """float32 x saturated to +-448 and rounded to e4m3 (to nearest, ties to even), as torch rounds it: every
+    """float32 x saturated to +-FP8_MAX and rounded to e4m3 (to nearest, ties to even), as torch rounds it: every
     kernel that writes e4m3 writes it so. The GPU converts in one instruction; Triton 3.6's interpreter drops the
     carry of a rounding that overflows the mantissa (1.955 -> 1.0) and gets subnormals wrong, so there the bits
     are made here."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
     if not _INTERPRET:
         return x.to(tl.float8e4nv)
     a = tl.abs(x)
