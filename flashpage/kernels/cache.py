@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashpage.kernels.fp8 import to_e4m3
+from flashpage.kernels.quantize import to_e4m3
 
 
 @triton.jit

@@ -13,15 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
-
-from flashpage.kernels.device import interpreting
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-_INTERPRET = tl.constexpr(interpreting())
-_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @dataclass
@@ -87,24 +81,3 @@ def scaled_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_
                                 out_dtype=x.dtype, use_fast_accum=True)
     y = (xq.float() @ weight.float().t()) * x_scale[:, None] * weight_scale[None, :].float()
     return y.to(x.dtype)
-
-
-@triton.jit
-def to_e4m3(x):
-    """float32 x saturated to +-FP8_MAX and rounded to e4m3 (to nearest, ties to even), as torch rounds it: every
-    kernel that writes e4m3 writes it so. The GPU converts in one instruction; Triton 3.6's interpreter drops the
-    carry of a rounding that overflows the mantissa (1.955 -> 1.0) and gets subnormals wrong, so there the bits
-    are made here."""
-    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
-    if not _INTERPRET:
-        return x.to(tl.float8e4nv)
-    a = tl.abs(x)
-    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)  # the binade (subnormals: that of 2 ** -6)
-    units = a * tl.exp2(3.0 - e)  # in steps of the binade's spacing, 2 ** (e - 3)
-    units = (units + 12582912.0) - 12582912.0  # rounded to an integer, ties to even (float32's own rounding)
-    e = tl.where(units >= 16.0, e + 1.0, e)  # a carry into the next binade
-    units = tl.where(units >= 16.0, units * 0.5, units)
-    normal = units >= 8.0
-    bits = tl.where(normal, (e + 7.0) * 8.0 + units - 8.0, units).to(tl.int32)  # exponent field, mantissa
-    bits = tl.where(x < 0, bits | 0x80, bits)
-    return bits.to(tl.int8).to(tl.float8e4nv, bitcast=True)

@@ -7,7 +7,9 @@ the products they feed (docs/kernel-notes.md).
   (`norm_weight`), and so can the SiLU-and-mul in front of down_proj (`silu_mul`), so the normalised or
   activated row is never written out in 16 bits and read back.
 - Per head, for FP8 attention: one pass over the tokens, written wherever the attention kernel wants each token
-  (`quantize_heads`' `out` and `rows`), transposed included."""
+  (`quantize_heads`' `out` and `rows`), transposed included.
+
+Every kernel that writes e4m3 (these, the FP8 KV cache's writes, SparQ's copy) rounds through `to_e4m3`."""
 
 from __future__ import annotations
 
@@ -16,8 +18,33 @@ import triton
 import triton.language as tl
 
 from flashpage.kernels.activation import silu_mul
-from flashpage.kernels.fp8 import FP8, FP8_MAX, head_scales, to_e4m3
+from flashpage.kernels.device import interpreting
+from flashpage.kernels.fp8 import FP8, FP8_MAX, head_scales
 from flashpage.kernels.norm import rms_normalize
+
+_INTERPRET = tl.constexpr(interpreting())
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_e4m3(x):
+    """float32 x saturated to +-FP8_MAX and rounded to e4m3 (to nearest, ties to even), as torch rounds it: every
+    kernel that writes e4m3 writes it so. The GPU converts in one instruction; Triton 3.6's interpreter drops the
+    carry of a rounding that overflows the mantissa (1.955 -> 1.0) and gets subnormals wrong, so there the bits
+    are made here."""
+    x = tl.minimum(tl.maximum(x, -_FP8_MAX), _FP8_MAX)
+    if not _INTERPRET:
+        return x.to(tl.float8e4nv)
+    a = tl.abs(x)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)  # the binade (subnormals: that of 2 ** -6)
+    units = a * tl.exp2(3.0 - e)  # in steps of the binade's spacing, 2 ** (e - 3)
+    units = (units + 12582912.0) - 12582912.0  # rounded to an integer, ties to even (float32's own rounding)
+    e = tl.where(units >= 16.0, e + 1.0, e)  # a carry into the next binade
+    units = tl.where(units >= 16.0, units * 0.5, units)
+    normal = units >= 8.0
+    bits = tl.where(normal, (e + 7.0) * 8.0 + units - 8.0, units).to(tl.int32)  # exponent field, mantissa
+    bits = tl.where(x < 0, bits | 0x80, bits)
+    return bits.to(tl.int8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit

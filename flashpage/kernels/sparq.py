@@ -30,7 +30,7 @@ import triton.language as tl
 
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import interpreting, sm_count
-from flashpage.kernels.fp8 import to_e4m3
+from flashpage.kernels.quantize import to_e4m3
 from flashpage.kernels.topk import top_k_positions
 
 _LOG2E = 1.4426950408889634
