@@ -5,10 +5,10 @@
   the bits found so far plus this one still k or more?), then writes the positions of the values above it and of
   the first values equal to it, as many as k still needs. 4,096 rows of 512 on an H200: 23 µs, where torch's
   top-k, a where and a sort took 206 µs;
-- longer rows (SparQ's keys) are cut into chunks of CHUNK, a program each, in a radix select a byte at a time:
-  one launch per byte counts, in a 256-bin histogram per row, the byte of the values that share the bytes found
-  so far; then one launch counts each chunk's values above the k-th largest and equal to it, and the last writes
-  the positions, each chunk after the ones before it (docs/kernel-notes.md).
+- longer rows (SparQ's keys) are cut into chunks of CHUNK, a program each, in a radix select RADIX_BITS bits at
+  a time: one launch per digit counts, in a histogram of 2 ** RADIX_BITS bins per row, that digit of the values
+  that share the digits found so far; then one launch counts each chunk's values above the k-th largest and equal
+  to it, and the last writes the positions, each chunk after the ones before it (docs/kernel-notes.md).
 
 The values are probabilities and block masses: non-negative floats order as their bits do. Anything below zero
 (SparQ's -1 past a sequence's end, a mass's -inf where a row has no more candidates) ranks under every
@@ -22,6 +22,11 @@ import triton.language as tl
 
 MAX_ROW = 4096  # longest row held in registers by one program
 CHUNK = 4096  # values per program in rows longer than that
+# bits per digit: tl.histogram's cost grows with its bins (a ballot per bit, a popcount per bin a lane holds),
+# and 32 bins, one a lane, cost a sixth of 256 (docs/kernel-notes.md)
+RADIX_BITS = 5
+_RADIX_BITS = tl.constexpr(RADIX_BITS)
+_BINS = tl.constexpr(2**RADIX_BITS)
 
 
 @triton.jit
@@ -59,19 +64,24 @@ def _row_in_registers_kernel(Values, Ks, Out, k, n, width, fill, stride_v, strid
     tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
+def _levels(key_bits: int) -> int:
+    """Digits in a key (keys are under 2 ** (key_bits - 1))."""
+    return triton.cdiv(key_bits - 1, RADIX_BITS)
+
+
 @triton.jit
-def _threshold(Hist, row, k, LEVELS: tl.constexpr):
-    """The first LEVELS bytes of the row's k-th largest key, from its histograms, and how many of the keys that
+def _threshold(Hist, row, k, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
+    """The first LEVEL digits of the row's k-th largest key, from its histograms, and how many of the keys that
     share them are still to be taken."""
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, _BINS)
     threshold = 0
     want = tl.maximum(k, 1)
-    for level in tl.static_range(LEVELS):
-        counts = tl.load(Hist + (row * 4 + level) * 256 + bins)
+    for level in tl.static_range(LEVEL):
+        counts = tl.load(Hist + (row * LEVELS + level) * _BINS + bins)
         at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
-        byte = tl.max(tl.where(at_or_above >= want, bins, 0), 0)
-        want -= tl.sum(tl.where(bins == byte, at_or_above - counts, 0), 0)  # the keys above its byte: all taken
-        threshold = threshold * 256 + byte
+        digit = tl.max(tl.where(at_or_above >= want, bins, 0), 0)
+        want -= tl.sum(tl.where(bins == digit, at_or_above - counts, 0), 0)  # the keys above its digit: all taken
+        threshold = threshold * _BINS + digit
     return threshold, want
 
 
@@ -88,34 +98,35 @@ def _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS: tl.constexpr, PER_ROW: tl.
 
 
 @triton.jit
-def _histogram_kernel(Values, Ks, Hist, k, n, stride_v, LEVEL: tl.constexpr, KEY_BITS: tl.constexpr,
-                      PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+def _histogram_kernel(Values, Ks, Hist, k, n, stride_v, LEVEL: tl.constexpr, LEVELS: tl.constexpr,
+                      KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
-    shift = KEY_BITS - 8 * (LEVEL + 1)
+    shift = _RADIX_BITS * (LEVELS - 1 - LEVEL)
     ok = key >= 0
     if LEVEL > 0:
-        prefix, _ = _threshold(Hist, row, k, LEVEL)
-        ok &= (key >> (shift + 8)) == prefix
-    counts = tl.histogram((key >> shift) & 255, 256, mask=ok)
-    tl.atomic_add(Hist + (row * 4 + LEVEL) * 256 + tl.arange(0, 256), counts, mask=counts > 0)
+        prefix, _ = _threshold(Hist, row, k, LEVEL, LEVELS)
+        ok &= (key >> (shift + _RADIX_BITS)) == prefix
+    counts = tl.histogram((key >> shift) & (_BINS - 1), _BINS, mask=ok)
+    tl.atomic_add(Hist + (row * LEVELS + LEVEL) * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0)
 
 
 @triton.jit
-def _count_kernel(Values, Ks, Hist, Counts, k, n, stride_v, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr,
-                  CHUNK: tl.constexpr):
+def _count_kernel(Values, Ks, Hist, Counts, k, n, stride_v, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr,
+                  PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
     """Each chunk's keys above the k-th largest and equal to it."""
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
-    threshold, _ = _threshold(Hist, row, k, KEY_BITS // 8)
+    threshold, _ = _threshold(Hist, row, k, LEVELS, LEVELS)
     at = Counts + (row * tl.num_programs(1) + tl.program_id(1)) * 2
     tl.store(at, tl.sum((key > threshold).to(tl.int32), 0))
     tl.store(at + 1, tl.sum((key == threshold).to(tl.int32), 0))
 
 
 @triton.jit
-def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, stride_o, KEY_BITS: tl.constexpr,
-                  PER_ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, stride_o, LEVELS: tl.constexpr,
+                  KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
-    threshold, want = _threshold(Hist, row, k, KEY_BITS // 8)
+    threshold, want = _threshold(Hist, row, k, LEVELS, LEVELS)
     c = tl.arange(0, BLOCK_C)
     before = c < tl.program_id(1)
     above_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2, mask=before, other=0), 0)
@@ -154,16 +165,17 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
         pass
     elif n > MAX_ROW:
         grid = (rows.shape[0], triton.cdiv(n, CHUNK))
-        hist = torch.zeros(rows.shape[0], 4, 256, dtype=torch.int32, device=values.device)
+        levels = _levels(key_bits)
+        hist = torch.zeros(rows.shape[0], levels, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
         counts = torch.empty(*grid, 2, dtype=torch.int32, device=values.device)
         scalar_k = 0 if per_row else k
-        for level in range(key_bits // 8):
-            _histogram_kernel[grid](rows, ks, hist, scalar_k, n, rows.stride(0), LEVEL=level, KEY_BITS=key_bits,
-                                    PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
-        _count_kernel[grid](rows, ks, hist, counts, scalar_k, n, rows.stride(0), KEY_BITS=key_bits, PER_ROW=per_row,
-                            CHUNK=CHUNK, num_warps=4)
+        for level in range(levels):
+            _histogram_kernel[grid](rows, ks, hist, scalar_k, n, rows.stride(0), LEVEL=level, LEVELS=levels,
+                                    KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
+        _count_kernel[grid](rows, ks, hist, counts, scalar_k, n, rows.stride(0), LEVELS=levels, KEY_BITS=key_bits,
+                            PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
         _write_kernel[grid](rows, ks, hist, counts, out, scalar_k, n, width, fill, rows.stride(0), out.stride(0),
-                            KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, BLOCK_C=triton.next_power_of_2(grid[1]),
+                            LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, BLOCK_C=triton.next_power_of_2(grid[1]),
                             BLOCK_W=triton.next_power_of_2(width), num_warps=4)
     else:
         block = triton.next_power_of_2(max(n, 16))
