@@ -9,6 +9,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from conftest import DEVICE, engine_from, rel_err
 from flashpage import SamplingParams
@@ -182,12 +184,16 @@ def test_key_bases_are_principal_axes():
 def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, turned, monkeypatch):
     """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
     output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
-    `turned`: in a random basis of each KV head; `strided` (K read instead of the copy) SparQ over unrounded keys."""
+    `turned`: in a random basis of each KV head, and the keys chosen by the chunked select that long rows take (in
+    chunks of 64, its first digits counted by the aggregation); `strided` (K read instead of the copy) SparQ over
+    unrounded keys."""
     torch.manual_seed(sum(lens_k) + r)
     basis = query_basis = None
     if turned:  # the engine's kind: an orthonormal basis, its axes scaled by w for queries and 1 / w for keys
         axes, w = random_basis(hkv, dim), torch.rand(hkv, 1, dim, device=DEVICE) + 0.5
         basis, query_basis = axes / w, axes * w
+        monkeypatch.setattr(topk, "MAX_ROW", 0)
+        monkeypatch.setattr(topk, "CHUNK", 64)
     check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis))
     cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis)
     cache.sparq_query_basis = query_basis
@@ -506,14 +512,24 @@ def mass_by_hand(q, keys, q_pos, pattern, first, candidates):
     return torch.stack([mass[:, (first + b) * block:(first + b + 1) * block].sum(-1) for b in range(candidates)], -1)
 
 
+@triton.jit
+def _first_digits_kernel(Values, Hist, n, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's first digits, counted as a kernel that writes the values counts them (SparQ's aggregation)."""
+    row = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    values = tl.load(Values + row * n + i, mask=i < n, other=-1.0)
+    topk.count_first_digits(Hist, row, values, i < n, LEVELS, KEY_BITS)
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1, 1), (700, 0), (3000, 37), (2049, 2049), (300, 500)])
 def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
-    """Both Triton selects (a row in registers; chunked, here in chunks of 256, a radix select over histograms)
-    against the reference: the same positions, first ones taken among equal values, in position order, the slots
-    past k filled; and the reference's values are torch.topk's. Rows hold values past a sequence's end (-1, -inf),
-    ties, zeros, and a row below zero throughout; k per row too."""
+    """Both Triton selects (a row in registers; chunked, here in chunks of 256, a radix select over histograms,
+    also with its first digits counted by another kernel) against the reference: the same positions, first ones
+    taken among equal values, in position order, the slots past k filled; and the reference's values are
+    torch.topk's. Rows hold values past a sequence's end (-1, -inf), ties, zeros, values from 0 to 3 (the first
+    digit of a float32 changes at 2), and a row below zero throughout; k per row too."""
     if chunked:
         monkeypatch.setattr(topk, "MAX_ROW", 0)
         monkeypatch.setattr(topk, "CHUNK", 256)
@@ -523,9 +539,15 @@ def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
     values[0, 1, :n // 3] = 0.25
     values[1, 0] = float("-inf")
     values[1, 1, ::7] = 0.0
+    values[2, 0] *= 3
     for ks in (k, torch.randint(0, k + 2, (3, 2), device=DEVICE)):
         want = ref.top_k_positions(values, ks, k + 3, -7)
         assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7), want)
+        if chunked:
+            digits = topk.digit_histograms(values)
+            _first_digits_kernel[(6, triton.cdiv(n, 128))](values, digits, n, LEVELS=digits.shape[1],
+                                                           KEY_BITS=8 * values.element_size(), BLOCK=128)
+            assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7, first_digits=digits), want)
         for row, kept in zip(values.view(6, n), want.view(6, -1)):
             taken = kept[kept >= 0].long()
             assert len(taken) == min(int(ks) if isinstance(ks, int) else len(taken), n)

@@ -8,9 +8,10 @@ sum, instead of every key and value:
 2. and those components of every key, from the component-major copy `k_t` (e4m3: one 16-byte run per
    component and page of 16), give each head's approximate scores (kept, a key's heads side by side) and, per
    split of the keys, their running max and sum;
-3. `_aggregate`: each key's approximate probability summed over the group's heads; `top_k_positions`
-   (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed probabilities are fp16: half
-   the bytes, and the top-k's radix select counts two bytes of them instead of four. Ranking in fp16 can swap keys
+3. `_aggregate`: each key's approximate probability summed over the group's heads, and the first digits of the
+   top-k's radix select counted as they are written; `top_k_positions` (`kernels/topk.py`) picks k keys. For a
+   16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and three 5-bit digits for
+   the select instead of seven. Ranking in fp16 can swap keys
    tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median) against SparQ's 21%
    from dense attention (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
@@ -31,7 +32,7 @@ import triton.language as tl
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import interpreting, sm_count
 from flashpage.kernels.quantize import to_e4m3
-from flashpage.kernels.topk import top_k_positions
+from flashpage.kernels.topk import count_first_digits, digit_histograms, top_k_positions
 
 _LOG2E = 1.4426950408889634
 
@@ -156,10 +157,11 @@ def _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP: tl.constexpr
 
 
 @triton.jit
-def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, stride_lb, stride_lh, stride_ab, stride_ah,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end)."""
+def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, Digits, num_kv_heads, max_keys, stride_lb, stride_lh,
+               stride_ab, stride_ah, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end), and the top-k
+    select's first digits of them."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -172,9 +174,9 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, num_kv_heads, max_keys, 
     ok = n < tl.load(SeqLens + b)
     s = tl.load(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
                 mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
-    agg = tl.sum(tl.exp2(s - lse[:, None]), 0)
-    tl.store(Agg + b * stride_ab + h * stride_ah + n, tl.where(ok, agg, -1.0).to(Agg.dtype.element_ty),
-             mask=n < max_keys)
+    agg = tl.where(ok, tl.sum(tl.exp2(s - lse[:, None]), 0), -1.0).to(Agg.dtype.element_ty)
+    tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
+    count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS)
 
 
 @triton.jit
@@ -352,11 +354,13 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
     agg_block = 1024
+    digits = digit_histograms(agg)
     _aggregate[(batch, hkv, triton.cdiv(max_keys, agg_block))](
-        logits, part_m, part_l, seq_lens_k, agg, lse, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
-        agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
-        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, num_warps=4)
-    chosen = top_k_positions(agg, num_chosen)
+        logits, part_m, part_l, seq_lens_k, agg, lse, digits, hkv, max_keys, logits.stride(0), logits.stride(1),
+        agg.stride(0), agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
+        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, LEVELS=digits.shape[1],
+        KEY_BITS=8 * agg.element_size(), num_warps=4)
+    chosen = top_k_positions(agg, num_chosen, first_digits=digits)
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
     part_lse = torch.empty(batch, hq, attend_splits, dtype=f32, device=dev)

@@ -7,8 +7,9 @@
   top-k, a where and a sort took 206 µs;
 - longer rows (SparQ's keys) are cut into chunks of CHUNK, a program each, in a radix select RADIX_BITS bits at
   a time: one launch per digit counts, in a histogram of 2 ** RADIX_BITS bins per row, that digit of the values
-  that share the digits found so far; then one launch counts each chunk's values above the k-th largest and equal
-  to it, and the last writes the positions, each chunk after the ones before it (docs/kernel-notes.md).
+  that share the digits found so far, the last one also keeping each chunk's own counts; from those the last
+  launch knows how many values above the k-th largest and equal to it the chunks before its own hold, and writes
+  the positions, each chunk after the ones before it (docs/kernel-notes.md).
 
 The values are probabilities and block masses: non-negative floats order as their bits do. Anything below zero
 (SparQ's -1 past a sequence's end, a mass's -inf where a row has no more candidates) ranks under every
@@ -98,8 +99,20 @@ def _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS: tl.constexpr, PER_ROW: tl.
 
 
 @triton.jit
-def _histogram_kernel(Values, Ks, Hist, k, n, stride_v, LEVEL: tl.constexpr, LEVELS: tl.constexpr,
-                      KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+def count_first_digits(Hist, row, values, ok, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr):
+    """Adds the first digits of a row's values (where ok) to its histogram: a kernel that writes the values counts
+    them as it does (`first_digits` of `top_k_positions`), saving that launch's read."""
+    key = _key(values, KEY_BITS)
+    counts = tl.histogram(key >> (_RADIX_BITS * (LEVELS - 1)), _BINS, mask=ok)
+    tl.atomic_add(Hist + row * LEVELS * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0)
+
+
+@triton.jit
+def _histogram_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, k, n, stride_v, LEVEL: tl.constexpr,
+                      LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+    """Adds the chunk's histogram of the level's digit to its row's. At the last level it also keeps, for each
+    value of that digit, how many of the chunk's keys would equal the threshold and how many would be above it: what
+    the write needs of the chunks before its own."""
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
     shift = _RADIX_BITS * (LEVELS - 1 - LEVEL)
     ok = key >= 0
@@ -107,30 +120,28 @@ def _histogram_kernel(Values, Ks, Hist, k, n, stride_v, LEVEL: tl.constexpr, LEV
         prefix, _ = _threshold(Hist, row, k, LEVEL, LEVELS)
         ok &= (key >> (shift + _RADIX_BITS)) == prefix
     counts = tl.histogram((key >> shift) & (_BINS - 1), _BINS, mask=ok)
-    tl.atomic_add(Hist + (row * LEVELS + LEVEL) * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0)
+    bins = tl.arange(0, _BINS)
+    tl.atomic_add(Hist + (row * LEVELS + LEVEL) * _BINS + bins, counts, mask=counts > 0)
+    if LEVEL == LEVELS - 1:
+        at = (row * tl.num_programs(1) + tl.program_id(1)) * _BINS + bins
+        tl.store(ChunkHist + at, counts)
+        above_prefix = tl.sum(((key >> _RADIX_BITS) > prefix).to(tl.int32), 0)
+        tl.store(ChunkAbove + at, above_prefix + tl.sum(counts, 0) - tl.cumsum(counts, 0))
 
 
 @triton.jit
-def _count_kernel(Values, Ks, Hist, Counts, k, n, stride_v, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr,
-                  PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
-    """Each chunk's keys above the k-th largest and equal to it."""
-    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
-    threshold, _ = _threshold(Hist, row, k, LEVELS, LEVELS)
-    at = Counts + (row * tl.num_programs(1) + tl.program_id(1)) * 2
-    tl.store(at, tl.sum((key > threshold).to(tl.int32), 0))
-    tl.store(at + 1, tl.sum((key == threshold).to(tl.int32), 0))
-
-
-@triton.jit
-def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, stride_o, LEVELS: tl.constexpr,
+def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fill, stride_v, stride_o,
+                  LEVELS: tl.constexpr,
                   KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
                   BLOCK_W: tl.constexpr):
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
     threshold, want = _threshold(Hist, row, k, LEVELS, LEVELS)
+    # the keys above the threshold and equal to it in the chunks before this one
     c = tl.arange(0, BLOCK_C)
     before = c < tl.program_id(1)
-    above_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2, mask=before, other=0), 0)
-    ties_before = tl.sum(tl.load(Counts + (row * tl.num_programs(1) + c) * 2 + 1, mask=before, other=0), 0)
+    at = (row * tl.num_programs(1) + c) * _BINS + (threshold & (_BINS - 1))
+    above_before = tl.sum(tl.load(ChunkAbove + at, mask=before, other=0), 0)
+    ties_before = tl.sum(tl.load(ChunkHist + at, mask=before, other=0), 0)
     room = tl.maximum(want - ties_before, 0)  # the ties this chunk may still take, its first ones
     # one scan counts both, the keys above in the low half and the ties in the high (CHUNK < 2 ** 16)
     above = (key > threshold).to(tl.int32)
@@ -147,10 +158,19 @@ def _write_kernel(Values, Ks, Hist, Counts, Out, k, n, width, fill, stride_v, st
         tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
+def digit_histograms(values: torch.Tensor) -> torch.Tensor:
+    """Zeroed histograms for `top_k_positions(values, ..., first_digits=)`: [rows, levels, bins]."""
+    rows = values[..., 0].numel()
+    return torch.zeros(rows, _levels(8 * values.element_size()), 2**RADIX_BITS, dtype=torch.int32,
+                       device=values.device)
+
+
 def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int = 0,
-                    dtype: torch.dtype = torch.int32) -> torch.Tensor:
+                    dtype: torch.dtype = torch.int32, first_digits: torch.Tensor | None = None) -> torch.Tensor:
     """`reference.top_k_positions` (the same positions): [..., width] (width = k by default), the slots past a
-    row's k set to fill; a k over width takes the width largest. k: an int, or a tensor of one per row."""
+    row's k set to fill; a k over width takes the width largest. k: an int, or a tensor of one per row.
+    first_digits: `digit_histograms(values)` with the values' first digits counted (`count_first_digits`), or
+    None."""
     n = values.shape[-1]
     per_row = isinstance(k, torch.Tensor)
     width = width if width is not None else k
@@ -166,17 +186,16 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
     elif n > MAX_ROW:
         grid = (rows.shape[0], triton.cdiv(n, CHUNK))
         levels = _levels(key_bits)
-        hist = torch.zeros(rows.shape[0], levels, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
-        counts = torch.empty(*grid, 2, dtype=torch.int32, device=values.device)
+        hist = digit_histograms(values) if first_digits is None else first_digits
+        chunk_hist = torch.empty(*grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
+        chunk_above = torch.empty_like(chunk_hist)
         scalar_k = 0 if per_row else k
-        for level in range(levels):
-            _histogram_kernel[grid](rows, ks, hist, scalar_k, n, rows.stride(0), LEVEL=level, LEVELS=levels,
-                                    KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
-        _count_kernel[grid](rows, ks, hist, counts, scalar_k, n, rows.stride(0), LEVELS=levels, KEY_BITS=key_bits,
-                            PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
-        _write_kernel[grid](rows, ks, hist, counts, out, scalar_k, n, width, fill, rows.stride(0), out.stride(0),
-                            LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, BLOCK_C=triton.next_power_of_2(grid[1]),
-                            BLOCK_W=triton.next_power_of_2(width), num_warps=4)
+        for level in range(0 if first_digits is None else 1, levels):
+            _histogram_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, scalar_k, n, rows.stride(0), LEVEL=level,
+                                    LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
+        _write_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, out, scalar_k, n, width, fill, rows.stride(0),
+                            out.stride(0), LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK,
+                            BLOCK_C=triton.next_power_of_2(grid[1]), BLOCK_W=triton.next_power_of_2(width), num_warps=4)
     else:
         block = triton.next_power_of_2(max(n, 16))
         _row_in_registers_kernel[(rows.shape[0],)](
