@@ -48,8 +48,8 @@ def to_e4m3(x):
 
 
 @triton.jit
-def _quantize_rows_kernel(X, NormWeight, Q, Scale, K, stride_x, stride_q, eps, FMAX: tl.constexpr,
-                          NORM: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(X, NormWeight, Q, Scale, K, stride_x, stride_q, eps, NORM: tl.constexpr,
+                          SILU_MUL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK)
     ok = k < K
@@ -59,7 +59,7 @@ def _quantize_rows_kernel(X, NormWeight, Q, Scale, K, stride_x, stride_q, eps, F
     if SILU_MUL:  # x is the gate; the up projection follows it in the row
         x = silu_mul(x, tl.load(X + row * stride_x + K + k, mask=ok, other=0.0).to(tl.float32), X.dtype.element_ty)
     largest = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(largest > 0, largest / FMAX, 1.0)
+    scale = tl.where(largest > 0, largest / _FP8_MAX, 1.0)
     tl.store(Scale + row, scale)
     tl.store(Q + row * stride_q + k, to_e4m3(x / scale), mask=ok)
 
@@ -77,7 +77,7 @@ def quantize_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps:
     if x.shape[0]:
         block = triton.next_power_of_2(cols)
         _quantize_rows_kernel[(x.shape[0],)](x, x if norm_weight is None else norm_weight, q, scale, cols,
-                                             x.stride(0), q.stride(0), eps, FMAX=FP8_MAX, NORM=norm_weight is not None,
+                                             x.stride(0), q.stride(0), eps, NORM=norm_weight is not None,
                                              SILU_MUL=silu_mul, BLOCK=block, num_warps=min(max(block // 1024, 4), 16))
     return q, scale
 
