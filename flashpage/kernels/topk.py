@@ -131,9 +131,8 @@ def _histogram_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, k, n, stride_v, L
 
 @triton.jit
 def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fill, stride_v, stride_o,
-                  LEVELS: tl.constexpr,
-                  KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_W: tl.constexpr):
+                  LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
     threshold, want = _threshold(Hist, row, k, LEVELS, LEVELS)
     # the keys above the threshold and equal to it in the chunks before this one
