@@ -305,10 +305,14 @@ def test_sparq_engine(smollm_llm):
     logprobs = [[next(iter(d.values())).logprob for d in run(e, [prompt], [scored])[0].outputs[0].logprobs]
                 for e in (engine, paper_engine)]
     assert max(abs(a - b) for a, b in zip(*logprobs)) > 1e-3  # (the basis changes what SparQ attends to)
-    plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.05).stats()["kv_blocks_total"]
-    with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.05, sparse_attention=paper).stats()["kv_blocks_total"]
-    # (float32 K + V: 8 bytes a value; K again in e4m3: 1; a float32 sum per block and head: 4 / 16)
-    assert plain * 0.82 < with_extras < plain * 0.9
+    assert engine.bm.block_size == 64 and engine_from(smollm_llm, sparse_attention=SPARQ, block_size=16).bm.block_size == 16
+    assert engine_from(smollm_llm).bm.block_size == 16  # (SparQ's default blocks are 64 tokens, others' 16)
+    plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.25).stats()["kv_cache_capacity_tokens"]
+    for block_size in (16, 64):
+        with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.25, sparse_attention=paper,
+                                  block_size=block_size).stats()["kv_cache_capacity_tokens"]
+        # (float32 K + V: 8 bytes a value; K again in e4m3: 1; a float32 sum per block and head: 4 / block_size)
+        assert with_extras / plain == pytest.approx(8 / (9 + 4 / block_size), rel=0.02)
 
 
 def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
@@ -320,7 +324,7 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     prompts = [shared + real_text(smollm_llm, 2, start=100 * i) for i in range(3)] + [real_text(smollm_llm, 30, 9000)]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + \
         [SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12)]
-    batched = engine_from(smollm_llm, sparse_attention=cfg, num_gpu_blocks=10, max_num_batched_tokens=32)
+    batched = engine_from(smollm_llm, sparse_attention=cfg, num_gpu_blocks=10, max_num_batched_tokens=32, block_size=16)
     together = tokens(batched, prompts, params)
     assert batched.stats()["num_preemptions"] > 0 and batched.stats()["prefix_cache_hits"] > 0
     alone = [tokens(engine_from(smollm_llm, sparse_attention=cfg, enable_prefix_caching=False), [p], [sp])[0]

@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the engine setting")
     p.add_argument("--sparse-attention", type=json.loads, default=None,
                    help='the engine setting, JSON: \'{"method": "sparq", "r": 32, "k": 8192}\'')
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV-cache block, the engine setting (default: the engine's, 16; 64 with SparQ)")
     p.add_argument("--skip", default="", help="comma list of peers to leave out: gpt-fast, transformers, check")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -66,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
               speculative_config=args.speculative_config, tensor_parallel_size=tp, quantization=args.quantization,
-              kv_cache_dtype=args.kv_cache_dtype, sparse_attention=args.sparse_attention,
+              kv_cache_dtype=args.kv_cache_dtype, sparse_attention=args.sparse_attention, block_size=args.block_size,
               # (SparQ's scratch grows with batch x context: graphs for the batch sizes this run uses only)
               **({"max_num_seqs": max(args.batch_size, 8)} if args.sparse_attention else {}))
     vocab = llm.config.vocab_size
+    results["block_size"] = llm.engine.cfg.block_size
     first = llm.generate([torch.randint(vocab, (args.input_len,), generator=gen).tolist()],
                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     results["start_to_first_token_s"] = time.perf_counter() - t0
@@ -251,7 +254,8 @@ def report(r: dict) -> None:
     floor = r["floor_ms"]
     print(f"{r['gpu']}, {r['date']}: {r['model']} {r['dtype']}{' FP8 weights' if r.get('quantization') else ''}, "
           f"batch {r['batch_size']}, {r['input_len']} prompt "
-          f"tokens, {r['output_len']} generated")
+          f"tokens, {r['output_len']} generated, KV blocks of {r['block_size']}"
+          f"{', sparse attention ' + json.dumps(r['sparse_attention']) if r.get('sparse_attention') else ''}")
     print(f"engine start to first token: {r['start_to_first_token_s']:.1f} s")
     tp = r.get("tensor_parallel_size", 1)
     print(f"copy bandwidth {r['copy_tbs']:.2f} TB/s; weights {r['weight_bytes'] / 1e9:.2f} GB"

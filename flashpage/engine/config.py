@@ -34,7 +34,8 @@ class EngineConfig:
     max_model_len: int | None = _setting(None, "context (prompt plus output) in tokens; default: the model's")
     kernels: str = _setting("auto", "auto: triton on CUDA, cpu on CPU; torch: the PyTorch references; "
                             "batch_invariant: what deterministic picks", ("auto", "torch", "cpu", "triton", "batch_invariant"))
-    block_size: int = _setting(16, "tokens per KV-cache block (a power of two)")
+    block_size: int | None = _setting(None, "tokens per KV-cache block, a power of two (default: 16; 64 with SparQ, "
+                                      "whose scores then read 64-byte runs of its key copy, not 16)")
     num_gpu_blocks: int | None = _setting(None, "KV cache size in blocks (default: from the memory settings)")
     gpu_memory_utilization: float = _setting(0.9, "CUDA: fraction of the GPU's memory flashpage may fill")
     cpu_kv_cache_gb: float = _setting(1.0, "CPU: KV cache size in GiB")
@@ -84,6 +85,8 @@ class EngineConfig:
                                      f", got {value!r}")
         if self.kv_cache_dtype == "fp8_e4m3":  # vLLM's other name for its e4m3 cache
             self.kv_cache_dtype = "fp8"
+        if self.block_size is None:
+            self.block_size = 64 if self.sparse is not None and self.sparse.method == "sparq" else 16
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ParameterError("block_size", f"block_size must be a power of two, got {self.block_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "cpu_threads", "tensor_parallel_size"):
