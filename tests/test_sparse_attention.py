@@ -305,8 +305,8 @@ def test_sparq_engine(smollm_llm):
     logprobs = [[next(iter(d.values())).logprob for d in run(e, [prompt], [scored])[0].outputs[0].logprobs]
                 for e in (engine, paper_engine)]
     assert max(abs(a - b) for a, b in zip(*logprobs)) > 1e-3  # (the basis changes what SparQ attends to)
-    assert engine.bm.block_size == 64 and engine_from(smollm_llm, sparse_attention=SPARQ, block_size=16).bm.block_size == 16
-    assert engine_from(smollm_llm).bm.block_size == 16  # (SparQ's default blocks are 64 tokens, others' 16)
+    assert engine.bm.block_size == 64 and engine_from(smollm_llm).bm.block_size == 16  # (the defaults)
+    assert engine_from(smollm_llm, sparse_attention=SPARQ, block_size=16).bm.block_size == 16
     plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.25).stats()["kv_cache_capacity_tokens"]
     for block_size in (16, 64):
         with_extras = engine_from(smollm_llm, cpu_kv_cache_gb=0.25, sparse_attention=paper,
