@@ -5,9 +5,9 @@ pass over memory, so that a step reads r / head_dim of the keys, k whole keys an
 sum, instead of every key and value:
 1. `_approximate_scores` chooses the r components of each (sequence, KV head), the largest of |q| summed over the
    group (`tl.topk`, in every program: 128 values),
-2. and those components of every key, from the component-major copy `k_t` (e4m3: one 16-byte run per
-   component and page of 16), give each head's approximate scores (kept, a key's heads side by side) and, per
-   split of the keys, their running max and sum;
+2. and those components of every key, from the component-major copy `k_t` (e4m3: one run of block_size bytes
+   per component and page, 64 by default with SparQ), give each head's approximate scores (kept, a key's heads
+   side by side) and, per split of the keys, their running max and sum;
 3. `_aggregate`: each key's approximate probability summed over the group's heads, and the first digits of the
    top-k's radix select counted as they are written; `top_k_positions` (`kernels/topk.py`) picks k keys. For a
    16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and three 5-bit digits for
