@@ -108,12 +108,14 @@ def main() -> None:
             tri.top_k_positions(values, 5)
             tri.top_k_positions(values, torch.full((3,), 4), 6, 50, torch.int64)
             tri.top_k_positions(values.repeat(1, 100), 300)  # (rows past MAX_ROW: the chunked select)
-        # SparQ decode (4 and 3 query heads per KV head; r under 16 and over; the paper's basis and another) and its
-        # cache extras (the copy in e4m3)
-        sparq_cache = KVCache(cache, cache, k_t=cache.permute(0, 2, 3, 1).contiguous().to(torch.float8_e4m3fn),
-                              v_cumsum=torch.zeros(8, 2, 128))
-        for basis in (None, rand(2, 128, 128, dtype=dtype)):
-            sparq_cache.sparq_basis = basis
+        # SparQ decode (4 and 3 query heads per KV head; r under 16 and over; the paper's basis and another; 4 value
+        # axes) and its cache extras (the copy in e4m3)
+        k_t = cache.permute(0, 2, 3, 1).contiguous().to(torch.float8_e4m3fn)
+        for basis, axes in ((None, 0), (rand(2, 128, 128, dtype=dtype), 0), (None, 4)):
+            with_axes = dict(v_t=k_t[:, :, :axes].contiguous(), sparq_value_rms=torch.ones(2, axes),
+                             sparq_value_axes=rand(2, 128, axes, dtype=torch.float32)) if axes else {}
+            sparq_cache = KVCache(cache, cache, k_t=k_t, v_cumsum=torch.zeros(8, 2, 128), sparq_basis=basis,
+                                  **with_axes)
             for heads, r in ((8, 32), (6, 8)):
                 tri.sparq_attention(rand(2, heads, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=r,
                                     k=24)

@@ -60,17 +60,24 @@ def random_basis(hkv, dim, dtype=torch.float32):
     return torch.linalg.qr(torch.randn(hkv, dim, dim, dtype=torch.float64)).Q.to(dtype).to(DEVICE)
 
 
-def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None):
+def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None, axes=0):
     """A shuffled paged cache with its SparQ extras poisoned, then written by `writer` (the reference's or the
     Triton kernel's) as a prefill of each sequence's first third and decode steps of the rest, one token each;
-    `basis`: the cache's sparq_basis."""
+    `basis`: the cache's sparq_basis; `axes`: so many value axes (random orthonormal ones, random RMS)."""
     k, v, table, seq_lens, _ = paged_case(lens_k, [1] * len(lens_k), page, hkv, dim, dtype)
-    cache = allocate_kv_caches(1, k.shape[0], page, hkv, dim, dtype, torch.device(DEVICE), sparq=True)[0]
+    cache = allocate_kv_caches(1, k.shape[0], page, hkv, dim, dtype, torch.device(DEVICE), sparq=True,
+                               value_axes=axes)[0]
     cache.sparq_basis = basis
     cache.k.copy_(k)
     cache.v.copy_(v)
     cache.k_t.fill_(float("nan"))
     cache.v_cumsum.fill_(float("nan"))
+    if axes:  # (from a generator of their own: the cases' other draws stay as they were without axes)
+        g = torch.Generator().manual_seed(axes)
+        turn = torch.linalg.qr(torch.randn(hkv, dim, dim, dtype=torch.float64, generator=g)).Q
+        cache.sparq_value_axes = turn[..., :axes].float().contiguous().to(DEVICE)
+        cache.sparq_value_rms = (torch.rand(hkv, axes, generator=g) * 0.5 + 0.1).to(DEVICE)
+        cache.v_t.fill_(float("nan"))
     prefilled = [max(1, n // 3) for n in lens_k]
     steps = [[range(0, d) for d in prefilled]]
     steps += [[range(d + t, d + t + 1) if d + t < n else range(0) for d, n in zip(prefilled, lens_k)]
@@ -86,7 +93,8 @@ def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None):
 
 def check_sparq_extras(cache, table, seq_lens):
     """k_t holds every written key (in the cache's sparq_basis), component-major, rounded to e4m3; each block's
-    v_cumsum the sum of its sequence's values up to the block's last written slot."""
+    v_cumsum the sum of its sequence's values up to the block's last written slot; v_t (with value axes) each
+    value's coordinates along them over their RMS, rounded to e4m3."""
     page = cache.block_size
     for i, n in enumerate(seq_lens.tolist()):
         blocks = table[i, :-(-n // page)].long()
@@ -99,20 +107,26 @@ def check_sparq_extras(cache, table, seq_lens):
             turned = ref.in_basis(keys.double(), cache.sparq_basis.double())
             assert (stored == ref.as_sparq_copy(turned)).double().mean() > 0.99
             assert 0.01 < rel_err(stored, turned) < 2**-4  # rounded to e4m3, and no more
+        if cache.v_t is not None:
+            stored = cache.v_t[blocks[slots // page], :, :, slots % page].double()
+            coords = torch.einsum("thd,hdm->thm", cache.v[blocks[slots // page], slots % page].double(),
+                                  cache.sparq_value_axes.double()) / cache.sparq_value_rms.double()
+            assert (stored == ref.as_sparq_copy(coords)).double().mean() > 0.99
+            assert 0.005 < rel_err(stored.transpose(0, 2), coords.transpose(0, 2)) < 2**-4  # (over the tokens)
         values = cache.v[blocks].double().flatten(0, 1)[:n].cumsum(0)
         ends = torch.clamp((torch.arange(len(blocks), device=DEVICE) + 1) * page, max=n) - 1
         assert rel_err(cache.v_cumsum[blocks], values[ends]) < 1e-6
 
 
 CASES = [
-    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention))
-    ([1, 300], 4, 4, 64, 16, 8, 16, None),  # a one-token sequence; MHA
-    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2)),  # short ones see every key; splits
-    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3)),  # SmolLM2's group of 3, pages of 8
-    ([150], 6, 2, 80, 16, 10, 32, (2, 2)),  # head dim 80
-    ([260, 33], 8, 1, 128, 32, 16, 64, None),  # MQA, large pages
-    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2)),  # pages of 64: a tile of the scores is one page
-    ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64)),  # more attention splits than tiles; the combine in
+    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention), value axes)
+    ([1, 300], 4, 4, 64, 16, 8, 16, None, 0),  # a one-token sequence; MHA
+    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2), 4),  # short ones see every key; splits
+    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3), 4),  # SmolLM2's group of 3, pages of 8
+    ([150], 6, 2, 80, 16, 10, 32, (2, 2), 3),  # head dim 80; three axes (padded)
+    ([260, 33], 8, 1, 128, 32, 16, 64, None, 0),  # MQA, large pages
+    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2), 1),  # pages of 64: a tile of the scores is one page
+    ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64), 8),  # more attention splits than tiles; the combine in
     # 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
 ]
 
@@ -179,23 +193,23 @@ def test_key_bases_are_principal_axes():
     assert rel_err(weights, (moments.sqrt() ** AXIS_WEIGHT).expand_as(weights)) < 1e-4
 
 
-@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits", CASES)
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes", CASES)
 @pytest.mark.parametrize("turned", [False, True])
-def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, turned, monkeypatch):
+def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, axes, turned, monkeypatch):
     """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
     output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
     `turned`: in a random basis of each KV head, and the keys chosen by the chunked select that long rows take (in
     chunks of 64, its first digits counted by the aggregation); `strided` (K read instead of the copy) SparQ over
-    unrounded keys."""
+    unrounded keys; `axes`: with so many value axes."""
     torch.manual_seed(sum(lens_k) + r)
     basis = query_basis = None
     if turned:  # the engine's kind: an orthonormal basis, its axes scaled by w for queries and 1 / w for keys
-        axes, w = random_basis(hkv, dim), torch.rand(hkv, 1, dim, device=DEVICE) + 0.5
-        basis, query_basis = axes / w, axes * w
+        turn, w = random_basis(hkv, dim), torch.rand(hkv, 1, dim, device=DEVICE) + 0.5
+        basis, query_basis = turn / w, turn * w
         monkeypatch.setattr(topk, "MAX_ROW", 0)
         monkeypatch.setattr(topk, "CHUNK", 64)
-    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis))
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis)
+    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes))
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis, axes)
     cache.sparq_query_basis = query_basis
     check_sparq_extras(cache, table, seq_lens)
     q = torch.randn(len(lens_k) + 1, hq, dim, device=DEVICE)
@@ -206,8 +220,7 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
     # (the reference reads the kernel's copy: checked above, and a key's component on a rounding boundary may round
     # the other way in float64, which can change the choice of keys)
-    double = KVCache(cache.k.double(), cache.v.double(), k_t=cache.k_t, v_cumsum=cache.v_cumsum,
-                     sparq_basis=basis, sparq_query_basis=query_basis)
+    double = dataclasses.replace(cache, k=cache.k.double(), v=cache.v.double())
     expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k)
     assert rel_err(out[:-1], expect) < 1e-5
     if turned:
@@ -217,7 +230,9 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, strided=True)
         with monkeypatch.context() as m:
             m.setattr(ref, "as_sparq_copy", lambda keys: keys)
-            unrounded = ref.sparq_attention(q[:-1].double(), KVCache(double.k, double.v), table[:-1], cu[:-1],
+            unrounded = ref.sparq_attention(q[:-1].double(), KVCache(double.k, double.v, v_t=double.v_t,
+                                            sparq_value_axes=cache.sparq_value_axes,
+                                            sparq_value_rms=cache.sparq_value_rms), table[:-1], cu[:-1],
                                             seq_lens[:-1], 1, r=r, k=k)
         assert rel_err(strided[:-1], unrounded) < 1e-5
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
@@ -226,9 +241,9 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         assert rel_err(out[:-1], dense) > 1e-3
 
 
-@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits", CASES)
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes", CASES)
 @pytest.mark.parametrize("turned", [False, True])
-def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, turned):
+def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, turned):
     """Over a bf16 cache the kernels keep the approximate scores and their sums in fp16 (what they rank), which can
     swap keys that tie within fp16's rounding; on random keys (flat attention) one swap moves a group's output by
     up to a third. So most (sequence, KV head) groups, not all, match the float64 reference on the same bf16 values
@@ -238,13 +253,13 @@ def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, turned):
     signs = torch.randint(0, 2, (hkv, 1, dim)) * 2 - 1
     perms = torch.stack([torch.eye(dim)[torch.randperm(dim)] for _ in range(hkv)])
     basis = (perms * signs).bfloat16().to(DEVICE) if turned else None
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq.write_sparq_copies, basis)
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq.write_sparq_copies, basis,
+                                         axes)
     q = torch.randn(len(lens_k), hq, dim, device=DEVICE).bfloat16()
     cu = torch.arange(len(lens_k) + 1, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
     sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
-    double = KVCache(cache.k.double(), cache.v.double(), k_t=cache.k_t, v_cumsum=cache.v_cumsum,
-                     sparq_basis=None if basis is None else basis.double())
+    double = dataclasses.replace(cache, k=cache.k.double(), v=cache.v.double())
     expect = ref.sparq_attention(q.double(), double, table, cu, seq_lens, 1, r=r, k=k)
     g = hq // hkv
     errs = [rel_err(out[i, h * g:(h + 1) * g], expect[i, h * g:(h + 1) * g]) for i in range(len(lens_k))
@@ -315,6 +330,39 @@ def test_sparq_engine(smollm_llm):
         assert with_extras / plain == pytest.approx(8 / (9 + 4 / block_size), rel=0.02)
 
 
+def test_sparq_value_axes_engine(smollm_llm):
+    """With value axes: each layer's are orthonormal principal axes of the calibration text's values, and the cache
+    holds its values' coordinates; the tail they give brings the perplexity of real text nearer dense attention's
+    than SparQ's mean value does; stats count their bytes; they take their share of the cache."""
+    text = real_text(smollm_llm, 200)
+    cfg = {**SPARQ, "basis": "none", "prompt": True}  # (the values' axes alone are calibrated)
+    engine = engine_from(smollm_llm, sparse_attention={**cfg, "value_axes": 4})
+    caches = engine.runner.kv_caches
+    assert all(c.v_t.shape[1:3] == (3, 4) and c.sparq_value_axes.shape == (3, 64, 4) for c in caches)
+    assert all((c.sparq_value_axes.transpose(1, 2) @ c.sparq_value_axes - torch.eye(4)).abs().max() < 1e-5
+               for c in caches)
+    assert rel_err(caches[0].sparq_value_axes, caches[1].sparq_value_axes) > 0.1
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def nll(e):  # over the tokens past the first 64 (SparQ chooses 24 keys of each token's context)
+        lps = [next(iter(p.values())).logprob for p in run(e, [text], [scored])[0].prompt_logprobs[1:]]
+        return -sum(lps[64:]) / len(lps[64:])
+
+    without = engine_from(smollm_llm, sparse_attention=cfg)
+    dense, tail, mean = nll(engine_from(smollm_llm)), nll(engine), nll(without)
+    assert abs(tail - dense) < 0.7 * abs(mean - dense), (dense, tail, mean)
+    got, was = engine.stats(), without.stats()
+    assert got["sparse_attention_keys_fraction"] == was["sparse_attention_keys_fraction"]
+    # (4 one-byte coordinates of every key and again of every chosen one, against 2 * 64 float32 values)
+    assert got["sparse_attention_bytes_fraction"] - was["sparse_attention_bytes_fraction"] == pytest.approx(
+        4 / 512 * (1 + got["sparse_attention_keys_fraction"]))
+    plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.25).stats()["kv_cache_capacity_tokens"]
+    with_axes = engine_from(smollm_llm, cpu_kv_cache_gb=0.25, sparse_attention={**cfg, "value_axes": 4})
+    # (as test_sparq_engine's, and 4 one-byte coordinates a token and head: 4 / 64 a value)
+    assert with_axes.stats()["kv_cache_capacity_tokens"] / plain == pytest.approx(8 / (9 + 4 / 64 + 4 / 64),
+                                                                                  rel=0.02)
+
+
 def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     """With `prompt` (every token through SparQ, so a preempted sequence's recomputation gives what its decode
     gave), requests batched with prefix hits, forked samples and preemption get the tokens they get alone (the
@@ -353,6 +401,8 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "block"}, {"deterministic": True}, "not served with deterministic"),
     ({"method": "sparq", "r": 8, "k": 8, "prompt": "yes"}, {}, "prompt must be true or false"),
     ({"method": "sparq", "r": 8, "k": 8, "basis": "svd"}, {}, "basis must be one of pca, none"),
+    ({"method": "sparq", "r": 8, "k": 8, "value_axes": -1}, {}, "value_axes must be an integer >= 0"),
+    ({"method": "sparq", "r": 8, "k": 8, "value_axes": 17}, {}, "value_axes must be at most 16"),
     ("sparq", {}, "sparse_attention must be dict or None"),
     (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
     (SPARQ, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "not served with speculative"),

@@ -53,7 +53,9 @@ def perplexity(llm, ids: list[int], window: int) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
-SPARQ_BUDGETS = {"1/8": (4, 16), "1/4": (2, 8)}  # (head_dim / r, context / k)
+# (r and value axes per 64 of the head dimension, context / k); "1/8 v": 1/8 of the bytes, a quarter of the r
+# components' bytes spent on the values' coordinates instead (`"value_axes"`)
+SPARQ_BUDGETS = {"1/8": (16, 0, 16), "1/4": (32, 0, 8), "1/8 v": (12, 4, 16)}
 
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -82,7 +84,8 @@ def fixed_pattern(pattern) -> dict:
 
 
 def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int,
-                   methods: tuple[str, ...] = ("sparq", "block", "chosen")) -> dict:
+                   methods: tuple[str, ...] = ("sparq", "block", "chosen"),
+                   budgets: tuple[str, ...] = tuple(SPARQ_BUDGETS)) -> dict:
     import torch
 
     from flashpage import LLM, SamplingParams
@@ -143,20 +146,22 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
               " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
               f"  {row['retrieval_hits']}  (keys kept: " + ", ".join(f"{kept[n]:.1%}" for n in contexts) + ")",
               flush=True)
-    for budget, (per_r, per_k) in SPARQ_BUDGETS.items() if "sparq" in methods else ():
-        r = dim // per_r
+    for budget in budgets if "sparq" in methods else ():
+        per_r, per_axes, per_k = SPARQ_BUDGETS[budget]
+        r, axes = dim * per_r // 64, dim * per_axes // 64
+        sparq = {"method": "sparq", "r": r, "value_axes": axes}
         ppl = {}
         for n in contexts:
-            llm = LLM(path, dtype="float32", device="cpu",
-                      sparse_attention={"method": "sparq", "r": r, "k": n // per_k, "prompt": True})
+            llm = LLM(path, dtype="float32", device="cpu", sparse_attention={**sparq, "k": n // per_k, "prompt": True})
             ppl[n] = tail_perplexity(llm, n)
-        llm = LLM(path, dtype="float32", device="cpu",
-                  sparse_attention={"method": "sparq", "r": r, "k": retrieval_tokens // per_k})
-        row = {"method": "sparq", "budget": budget, "r": r, "k_per_context": f"context / {per_k}", "perplexity": ppl,
+        llm = LLM(path, dtype="float32", device="cpu", sparse_attention={**sparq, "k": retrieval_tokens // per_k})
+        row = {"method": "sparq", "budget": budget, "r": r, "value_axes": axes, "k_per_context": f"context / {per_k}",
+               "perplexity": ppl,
                "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm),
                "retrieval_k": retrieval_tokens // per_k}
         result["rows"].append(row)
-        print(f"{'SparQ ' + budget + f' (r={r}, k=S/{per_k})':24s} " +
+        label = f"SparQ {budget} (r={r}{f', m={axes}' if axes else ''}, k=S/{per_k})"
+        print(f"{label:24s} " +
               " ".join(f"{ppl[n]:8.3f} {ppl[n] / dense[n] - 1:+5.1%}" for n in contexts) +
               f"  {row['retrieval_hits']}", flush=True)
     return result
@@ -171,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="--sparse: window sizes, comma-separated")
     p.add_argument("--retrieval-tokens", type=int, default=2000, help="--sparse: the retrieval prompts' length")
     p.add_argument("--methods", default="block,chosen,sparq", help="--sparse: which methods, comma-separated")
+    p.add_argument("--budgets", default=",".join(SPARQ_BUDGETS), help="--sparse: SparQ's budgets, comma-separated")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if set(args.budgets.split(",")) - set(SPARQ_BUDGETS):
+        p.error(f"--budgets: each one of {', '.join(SPARQ_BUDGETS)}")
     from pydoc_data.topics import topics
 
     from flashpage import LLM, SamplingParams
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(topics[k] for k in sorted(topics))
     if args.sparse:
         result = sparse_quality(path, text, [int(n) for n in args.contexts.split(",")], args.retrieval_tokens,
-                                tuple(args.methods.split(",")))
+                                tuple(args.methods.split(",")), tuple(args.budgets.split(",")))
         if args.out:
             args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **result}, indent=2))
         return 0

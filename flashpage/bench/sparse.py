@@ -11,8 +11,9 @@ the choice (the top-k and the tables' fill) and the attention.
 bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x context 8k/32k/128k (the largest left
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 32
 components of one byte in the e4m3 copy: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 64, k = context
-/ 8); at block size 16 (the default) and 64 (a component's keys of one block are then 64 contiguous bytes instead
-of 16), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
+/ 8); at block size 16 and 64 (SparQ's default: a component's keys of one block are then 64 contiguous bytes
+instead of 16; there also "1/8 v": r = 24 with the values' coordinates along 8 axes, `"value_axes": 8`, the split
+of 1/8 that kept most of SmolLM2's quality), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
 table: twice the copy's bytes). The
 copy is in an orthonormal basis per KV head, as the engine's default (`"basis": "pca"`), so the queries' turn into
 it is in the time; at 1/8 also without one (the paper's basis, "I" in the table; "strided" reads K as it is, so
@@ -39,7 +40,9 @@ from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
-BUDGETS = {"1/8": (32, 16), "1/4": (64, 8)}  # name: (r, context / k)
+# name: (r, context / k, value axes); "1/8 v": 1/8 of the bytes with 8 of the r components' bytes spent on the
+# values' coordinates instead (the split that measured best on SmolLM2, head dim 64: r = 12, 4 axes)
+BUDGETS = {"1/8": (32, 16, 0), "1/4": (64, 8, 0), "1/8 v": (24, 16, 8)}
 
 
 def graph_ms(fn) -> float:
@@ -52,8 +55,9 @@ def graph_ms(fn) -> float:
     return median_ms(graph.replay)
 
 
-def sparq_cache(batch: int, context: int, block: int = 16) -> tuple[KVCache, torch.Tensor]:
-    """A random bf16 cache with its SparQ extras, each sequence's blocks shuffled."""
+def sparq_cache(batch: int, context: int, block: int = 16, axes: int = 0) -> tuple[KVCache, torch.Tensor]:
+    """A random bf16 cache with its SparQ extras (`axes`: its values' coordinates along so many axes), each
+    sequence's blocks shuffled."""
     blocks = batch * context // block
     k = torch.randn(blocks, block, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -64,11 +68,18 @@ def sparq_cache(batch: int, context: int, block: int = 16) -> tuple[KVCache, tor
         rows = table[i].long()
         v_cumsum[rows] = v[rows].float().sum(1).cumsum(0)
     basis = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q.to(torch.bfloat16)
-    return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum, sparq_basis=basis), table
+    with_axes = {}
+    if axes:
+        value_axes = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q[..., :axes].contiguous()
+        v_t = torch.empty(blocks, HKV, axes, block, device="cuda", dtype=SPARQ_COPY_DTYPE)
+        for i in range(0, blocks, 4096):  # (in pieces: a float32 copy of a large cache's values would not fit)
+            v_t[i:i + 4096] = torch.einsum("btkd,kdm->bkmt", v[i:i + 4096].float(), value_axes).to(v_t.dtype)
+        with_axes = dict(v_t=v_t, sparq_value_axes=value_axes, sparq_value_rms=torch.ones(HKV, axes, device="cuda"))
+    return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum, sparq_basis=basis, **with_axes), table
 
 
 def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
-    cache, table = sparq_cache(batch, context, block)
+    cache, table = sparq_cache(batch, context, block, axes=BUDGETS["1/8 v"][2] if block == 64 else 0)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
@@ -78,15 +89,16 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
     dense_bytes = 2 * batch * context * HKV * D * 2
     rows = []
     # (budget, strided, in a basis)
-    variants = [(name, False, True) for name in BUDGETS] if block == 16 else [("1/8", False, True)]
-    if block == 16:
-        variants += [("1/8", False, False), ("1/8", True, False)]
+    variants = [("1/8", False, True), ("1/8 v", False, True)] if block == 64 else \
+        [("1/8", False, True), ("1/4", False, True), ("1/8", False, False), ("1/8", True, False)]
     for name, strided, turned in variants:
-        r, k = BUDGETS[name][0], context // BUDGETS[name][1]
+        r, k, axes = BUDGETS[name][0], context // BUDGETS[name][1], BUDGETS[name][2]
         read = cache if turned else dataclasses.replace(cache, sparq_basis=None)
+        if not axes:
+            read = dataclasses.replace(read, v_t=None, sparq_value_axes=None, sparq_value_rms=None)
         ms = graph_ms(lambda: sparq.sparq_attention(q, read, table, cu, lens, 1, r=r, k=k, out=out, strided=strided))
         rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "block_size": block, "budget": name,
-                     "r": r, "k": k, "strided": strided, "basis": turned, "ms": ms, "dense_ms": dense_ms,
+                     "r": r, "k": k, "value_axes": axes, "strided": strided, "basis": turned, "ms": ms, "dense_ms": dense_ms,
                      "speedup_vs_dense": dense_ms / ms, "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
                      "phases_ms": sparq_phases(q, read, table, lens, r, k, strided)})
     return rows

@@ -6,7 +6,10 @@
   scores it; the CPU and PyTorch kernels only). `"basis": "pca"` (the default) chooses the components in each
   layer's and KV head's principal axes of its keys, each query component weighed by the keys' spread along its
   axis (`sparq_turns`), measured as the engine starts on CALIBRATION_TOKENS tokens of real text; `"none"` in the
-  keys' own components, as the paper does.
+  keys' own components, as the paper does. `"value_axes": m` (0 by default: the paper's mean value) gives the
+  softmax mass of the keys not chosen to their own values, each seen along the layer's m principal axes of its
+  values (`principal_value_axes`, from the same calibration text) and weighed by its approximate probability, instead of
+  to the mean of all values; it reads m more bytes of every key (docs/sparse-attention.md).
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
@@ -29,10 +32,11 @@ from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
 from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
-METHODS = {"sparq": ("r", "k", "prompt", "basis"),
+METHODS = {"sparq": ("r", "k", "prompt", "basis", "value_axes"),
            "block": ("block", "sink", "local", "stride", "density", "sample", "sample_heads")}
 SAMPLE_HEADS = ("all", "one")
 BASES = ("pca", "none")
+MAX_VALUE_AXES = 16  # (the kernels hold a [keys, heads, axes] product in registers)
 
 # The text whose keys give SparQ's bases: the standard library's own source (any CPython 3.11+ has it), not the
 # documentation that `bench quality --sparse` scores, so the measured cost is not that of text seen here.
@@ -47,6 +51,7 @@ class SparseAttentionConfig:
     k: int | None = None  # sparq: keys attended exactly per decoded token and KV head (>= 1)
     prompt: bool = False  # sparq: the prompt's tokens too (CPU / PyTorch kernels)
     basis: str = "pca"  # sparq: where components are chosen: the keys' principal axes, or "none" (the keys' own)
+    value_axes: int = 0  # sparq: the unchosen keys' values seen along this many principal axes (0: the mean value)
     block: int = 64  # block: positions per block (a multiple of 64)
     sink: int = 1  # block: first blocks every query sees
     local: int = 16  # block: the window, in blocks, the query's own included (>= 1)
@@ -77,6 +82,9 @@ class SparseAttentionConfig:
         if method == "sparq":
             integer("r", 1)
             integer("k", 1)
+            integer("value_axes", 0, cls.value_axes)
+            if d.get("value_axes", 0) > MAX_VALUE_AXES:
+                bad("value_axes", f"must be at most {MAX_VALUE_AXES}, got {d['value_axes']}")
             if not isinstance(d.get("prompt", False), bool):
                 bad("prompt", f"must be true or false, got {d['prompt']!r}")
             if d.get("basis", cls.basis) not in BASES:
@@ -106,9 +114,10 @@ class SparseAttentionConfig:
     def check_serves(self, *, head_dim: int, kernels: str, kv_cache_dtype: str, speculative: bool,
                      block_size: int, sliding_window: int | None) -> None:
         """Raises ParameterError for a setting this engine cannot serve with sparse attention."""
-        if self.method == "sparq" and self.r > head_dim:
-            raise ParameterError("sparse_attention.r", f"sparse_attention: r must be at most the head dimension "
-                                 f"({head_dim}), got {self.r}")
+        for name in ("r", "value_axes") if self.method == "sparq" else ():
+            if getattr(self, name) > head_dim:
+                raise ParameterError(f"sparse_attention.{name}", f"sparse_attention: {name} must be at most the "
+                                     f"head dimension ({head_dim}), got {getattr(self, name)}")
         if self.method == "block" and self.block % block_size:
             raise ParameterError("sparse_attention.block", f"sparse_attention: block must be a multiple of the "
                                  f"cache's block_size ({block_size}), got {self.block}")
@@ -155,12 +164,24 @@ def sparq_turns(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (axes / w[:, None, :]).contiguous(), (axes * w[:, None, :]).contiguous()
 
 
+def principal_value_axes(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, the m principal axes of values [T, Hkv, D] (of their spread about their mean, largest first),
+    float32 [Hkv, D, m], and the values' RMS along each, float32 [Hkv, m] (SparQ's copy of the values' coordinates
+    divides by it, so that e4m3 holds them at the scale of one)."""
+    v = values.double().transpose(0, 1)  # [Hkv, T, D]
+    centred = v - v.mean(1, keepdim=True)
+    _, vectors = torch.linalg.eigh(centred.transpose(1, 2) @ centred)  # ascending eigenvalues
+    axes = vectors.flip(-1)[..., :m]
+    rms = (v @ axes).pow(2).mean(1).sqrt()
+    return axes.float().contiguous(), rms.clamp_min(1e-6 * rms.amax().clamp_min(1e-30)).float().contiguous()
+
+
 @dataclass
 class SparseStats:
     """What sparse attention read, summed over the queries it served (each layer alike): keys attended (exactly)
     against the keys dense attention would have, and bytes read against dense attention's K and V (SparQ: r bytes
     of every key's 2 * head_dim * key_bytes for the approximate scores, its copy being one byte a component, plus
-    the chosen keys and values)."""
+    the chosen keys and values; with value_axes m, m more bytes of every key and of every chosen one)."""
     config: SparseAttentionConfig
     head_dim: int
     key_bytes: int  # bytes of one element of the cache's K
@@ -183,7 +204,9 @@ class SparseStats:
         visible = max(self.keys_visible, 1)
         approx = 0.0  # (SparQ's r components of every key, from its copy)
         if self.config.method == "sparq":
-            per_key = self.config.r * SPARQ_COPY_DTYPE.itemsize / (2 * self.head_dim * self.key_bytes)
-            approx = per_key * self.keys_visible
+            dense = 2 * self.head_dim * self.key_bytes
+            m = self.config.value_axes * SPARQ_COPY_DTYPE.itemsize
+            approx = (self.config.r * SPARQ_COPY_DTYPE.itemsize + m) / dense * self.keys_visible
+            approx += m / dense * self.keys_attended
         return {"sparse_attention_keys_fraction": self.keys_attended / visible,
                 "sparse_attention_bytes_fraction": (approx + self.keys_attended) / visible}

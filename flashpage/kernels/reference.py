@@ -325,7 +325,10 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
     3. the k keys with the largest approximate probability summed over the group's heads;
     4. exact attention over those k keys, weighted by alpha, the approximate probability they hold, plus
-       (1 - alpha) times the mean of all the row's values.
+       (1 - alpha) times the mean of all the row's values;
+    5. with the cache's value axes P [Hkv, D, m] (`v_t`), plus P times (the sum over the keys not chosen of their
+       approximate probability times their values' coordinates P^T v, as `v_t` holds them, minus (1 - alpha) P^T
+       mean): the unchosen keys' share goes to their own values as P sees them, the rest of each to the mean.
     A row that sees k keys or fewer attends to all of them exactly. The Triton kernels (`flashpage.kernels.sparq`)
     read a second, component-major copy of the keys and running value sums that `write_sparq_copies` keeps."""
     out = torch.empty_like(q) if out is None else out
@@ -335,6 +338,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     dt = torch.promote_types(q.dtype, torch.float32)  # (float64 stays float64)
     basis = None if kv_cache.sparq_basis is None else kv_cache.sparq_basis.to(dt)
     query_basis = None if kv_cache.sparq_query_turn is None else kv_cache.sparq_query_turn.to(dt)
+    axes = None if kv_cache.v_t is None else kv_cache.sparq_value_axes.to(dt)
     for i, len_k in enumerate(lens_k):
         blocks = block_table[i, : -(-len_k // page)].long()
         keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in read_pages(kv_cache, blocks, q.dtype))
@@ -342,16 +346,22 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
             turned = as_sparq_copy(in_basis(keys, basis))
         else:  # `k_t` itself, [blocks, Hkv, D, block_size] -> [keys, Hkv, D]
             turned = kv_cache.k_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:len_k].to(dt)
+        coords = None  # the values' coordinates along the axes, as `v_t` holds them, times their RMS: [keys, Hkv, m]
+        if axes is not None:
+            coords = kv_cache.v_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:len_k].to(dt) * \
+                kv_cache.sparq_value_rms.to(dt)
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
-            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, scale, query_basis)
+            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, scale, query_basis,
+                                         coords, axes)
     return out
 
 
-def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis):
+def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis, coords=None, axes=None):
     """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D], `turned` the keys as the approximate scores see
-    them and `query_basis` ([Hkv, D, D] or None) the queries' turn, all of one dtype. Returns [n, Hq, D]."""
+    them and `query_basis` ([Hkv, D, D] or None) the queries' turn, all of one dtype; `coords` [L, Hkv, m] the
+    values' coordinates along `axes` [Hkv, D, m] (or None: the mean value alone). Returns [n, Hq, D]."""
     n, hq, dim = q.shape
     length, hkv, _ = keys.shape
     qg = q.view(n, hkv, hq // hkv, dim)  # [n, Hkv, G, D]
@@ -378,6 +388,11 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis):
     p = torch.softmax(s.masked_fill(~chosen_ok[:, :, None, :], float("-inf")), dim=-1)
     v_mean = vf.cumsum(1)[:, pos].transpose(0, 1) / (pos + 1)[:, None, None].to(q.dtype)  # [n, Hkv, D]
     o = alpha[..., None] * (p @ v_sel) + (1 - alpha[..., None]) * v_mean[:, :, None, :]
+    if axes is not None:  # the unchosen keys' share, along the axes, from their own values instead of the mean
+        unchosen = seen[:, None, :].expand(n, hkv, length).scatter(-1, chosen, False)  # [n, Hkv, L]
+        tail = (p_hat * unchosen[:, :, None, :]) @ coords.transpose(0, 1)[None]  # [n, Hkv, G, m]
+        tail = tail - (1 - alpha[..., None]) * torch.einsum("nhd,hdm->nhm", v_mean, axes)[:, :, None, :]
+        o = o + torch.einsum("nhgm,hdm->nhgd", tail, axes)  # (0 where every key was chosen: alpha = 1)
     return o.reshape(n, hq, dim)
 
 
@@ -387,16 +402,26 @@ def as_sparq_copy(keys: torch.Tensor) -> torch.Tensor:
     return keys.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(keys.dtype)
 
 
+def as_value_coordinates(values: torch.Tensor, axes: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
+    """Values [T, Hkv, D] as SparQ's copy `v_t` stores them: their coordinates along `axes` [Hkv, D, m] divided by
+    `rms` [Hkv, m], rounded to e4m3 (`as_sparq_copy`), [T, Hkv, m] in the values' dtype."""
+    return as_sparq_copy(torch.einsum("thd,hdm->thm", values, axes.to(values.dtype)) / rms.to(values.dtype))
+
+
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key, in the cache's
     `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size], and for each block written
     to, `v_cumsum` [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot to the block's
-    last written one. (Blocks shared by prefix caching hold the same prefix in every sequence, so their sums hold
-    for all.)"""
+    last written one; with value axes, each new value's coordinates into `v_t` (`as_value_coordinates`). (Blocks
+    shared by prefix caching hold the same prefix in every sequence, so their sums hold for all.)"""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page = kv_cache.block_size
     kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(in_basis(k[keep], kv_cache.sparq_basis)).to(FP8)
+    if kv_cache.v_t is not None:
+        values = kv_cache.v.flatten(0, 1)[slots].float()
+        kv_cache.v_t[slots // page, :, :, slots % page] = as_value_coordinates(
+            values, kv_cache.sparq_value_axes, kv_cache.sparq_value_rms).to(FP8)
     cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     for i, length in enumerate(lens):
         if length == 0 or cu[i + 1] == cu[i]:  # (a CUDA graph's padding sequence)

@@ -75,16 +75,18 @@ def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE
 
 
 @triton.jit
-def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2,
+def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, PartC, sm_scale_log2,
                         num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block,
-                        stride_head, stride_comp, stride_tok,
+                        stride_head, stride_comp, stride_tok, stride_vblock, stride_vhead, stride_vcomp,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr):
+                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
+                        UPCAST: tl.constexpr):
     """Tiles of BLOCK_N keys by the group's heads (the keys are the product's rows, so the scores come out as
     Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
     tensor cores compute beyond it). KT is the component-major copy (stride_tok 1), or the cache's K itself
-    (strided reads, for comparison)."""
+    (strided reads, for comparison). With AXES, each head's sum of exp2(s - max) times the keys' values'
+    coordinates (VT, component-major as KT) beside its sum of exp2(s - max), into PartC."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -116,13 +118,21 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_sca
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     kt_rows = h * stride_head + comp.to(tl.int64) * stride_comp  # within a block
+    a = tl.arange(0, BLOCK_A)
+    a_ok = a < AXES
+    vt_rows = h * stride_vhead + a.to(tl.int64) * stride_vcomp
+    c_i = tl.zeros([GROUP_PAD, BLOCK_A], dtype=tl.float32)
     # loads run ahead of their use (the block numbers two tiles, the keys one), so that no load in the loop waits
     # for another: a warp's tile is small, and a load that waited on its block number paid two latencies
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo, hi, BLOCK_N, PAGE_SIZE)
     kt = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
+    if AXES > 0:
+        vt = _copy_tile(VT, block, page_ok, vt_rows, a_ok, stride_vblock, 1, PAGE_SIZE)
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo + BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
         kt_next = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
+        if AXES > 0:
+            vt_next = _copy_tile(VT, block, page_ok, vt_rows, a_ok, stride_vblock, 1, PAGE_SIZE)
         block, page_ok = _tile_pages(BlockTable, b, stride_bt, start + 2 * BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
         k_hat = tl.trans(tl.reshape(kt, [BLOCK_R, BLOCK_N]))
         s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [BLOCK_N, GROUP_PAD], base 2
@@ -132,12 +142,20 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_sca
         tl.store(Logits + b * stride_lb + h * stride_lh + n[:, None] * GROUP + g[None, :],
                  s.to(Logits.dtype.element_ty), mask=ok[:, None] & g_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 0))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[None, :]), 0)
+        p = tl.exp2(s - m_new[None, :])
+        rescale = tl.exp2(m_i - m_new)
+        l_i = l_i * rescale + tl.sum(p, 0)
+        if AXES > 0:  # (keys past the end are masked here too: the copy's unwritten slots may hold NaNs)
+            c = tl.where(ok[:, None], tl.trans(tl.reshape(vt, [BLOCK_A, BLOCK_N])).to(tl.float32), 0.0)
+            c_i = c_i * rescale[:, None] + tl.sum(p[:, :, None] * c[:, None, :], 0)
+            vt = vt_next
         m_i = m_new
         kt = kt_next
     part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
     tl.store(PartM + part, m_i, mask=g_ok)
     tl.store(PartL + part, l_i, mask=g_ok)
+    if AXES > 0:
+        tl.store(PartC + part[:, None] * AXES + a[None, :], c_i, mask=g_ok[:, None] & a_ok[None, :])
 
 
 @triton.jit
@@ -156,11 +174,13 @@ def _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP: tl.constexpr
 
 
 @triton.jit
-def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, Digits, num_kv_heads, max_keys, stride_lb, stride_lh,
-               stride_ab, stride_ah, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-               BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr):
+def _aggregate(Logits, PartM, PartL, PartC, SeqLens, Agg, Lse, TailC, Digits, num_kv_heads, max_keys, stride_lb,
+               stride_lh, stride_ab, stride_ah, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+               KEY_BITS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end), and the top-k
-    select's first digits of them."""
+    select's first digits of them; with AXES, each head's sum over all keys of approximate probability times
+    values' coordinates (TailC), from the splits' sums."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
@@ -169,6 +189,17 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, Digits, num_kv_heads, ma
     lse = _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP, NUM_SPLITS, BLOCK_S)
     if tl.program_id(2) == 0:
         tl.store(Lse + b * num_kv_heads * GROUP + heads, lse, mask=g_ok)
+        if AXES > 0:
+            splits = tl.arange(0, BLOCK_S)
+            a = tl.arange(0, BLOCK_A)
+            at = ((b * num_kv_heads * GROUP + heads) * NUM_SPLITS)[:, None] + splits[None, :]  # [heads, splits]
+            at_ok = g_ok[:, None] & (splits[None, :] < NUM_SPLITS)
+            m = tl.load(PartM + at, mask=at_ok, other=float("-inf"))
+            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - lse[:, None]))
+            c = tl.load(PartC + at[:, :, None] * AXES + a[None, None, :],
+                        mask=at_ok[:, :, None] & (a < AXES)[None, None, :], other=0.0)
+            tl.store(TailC + (b * num_kv_heads * GROUP + heads)[:, None] * AXES + a[None, :],
+                     tl.sum(c * w[:, :, None], 1), mask=g_ok[:, None] & (a < AXES)[None, :])
     n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     ok = n < tl.load(SeqLens + b)
     s = tl.load(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
@@ -190,13 +221,14 @@ def _chosen_tile(Chosen, BlockTable, b, h, n_keys, start, hi, stride_xb, stride_
 
 
 @triton.jit
-def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
-                   sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch, stride_cb,
-                   stride_bt, stride_lb, stride_lh, stride_xb, stride_xh,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    """Online softmax over this split's share of the chosen keys; rows are the group's heads."""
+def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
+                   PartChosenC, sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch,
+                   stride_cb, stride_bt, stride_lb, stride_lh, stride_xb, stride_xh, stride_vblock, stride_vhead,
+                   stride_vcomp, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   AXES: tl.constexpr, BLOCK_A: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over this split's share of the chosen keys; rows are the group's heads. Beside it alpha, the
+    chosen keys' approximate probability, and with AXES their share of TailC (PartChosenC)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -216,6 +248,9 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a = tl.arange(0, BLOCK_A)
+    a_ok = a < AXES
+    c_i = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
     # each tile's chosen places and their blocks are read a tile ahead, so that its keys' and values' loads need
     # not wait for them
     key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, lo, hi, stride_xb, stride_xh, stride_bt,
@@ -226,12 +261,18 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
         v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g[:, None],
                         mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
+        if AXES > 0:  # [BLOCK_N, BLOCK_A]
+            c = tl.load(VT + block[:, None] * stride_vblock + h * stride_vhead + a[None, :] * stride_vcomp
+                        + (key % PAGE_SIZE)[:, None], mask=ok[:, None] & a_ok[None, :], other=0.0).to(tl.float32)
         tile_ok = ok
         key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, start + BLOCK_N, hi, stride_xb, stride_xh,
                                       stride_bt, BLOCK_N, PAGE_SIZE)
         s = tile_dot(q, tl.trans(k), UPCAST)
         s = tl.where(tile_ok[None, :], s * sm_scale_log2, float("-inf"))
-        alpha += tl.sum(tl.exp2(s_hat - lse[:, None]), 1)
+        p_hat = tl.exp2(s_hat - lse[:, None])
+        alpha += tl.sum(p_hat, 1)
+        if AXES > 0:
+            c_i += tl.sum(p_hat[:, :, None] * c[None, :, :], 1)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -245,16 +286,20 @@ def _attend_chosen(Q, KCache, VCache, Chosen, Logits, Lse, BlockTable, SeqLens, 
     tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))),
              mask=g_ok)
     tl.store(PartAlpha + part, alpha, mask=g_ok)
+    if AXES > 0:
+        tl.store(PartChosenC + part[:, None] * AXES + a[None, :], c_i, mask=g_ok[:, None] & a_ok[None, :])
 
 
 @triton.jit
-def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num_kv_heads, k, stride_bt,
-             stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-             PAGE_SIZE: tl.constexpr, ATTEND_SPLITS: tl.constexpr, BLOCK_AS: tl.constexpr):
+def _combine(PartOut, PartLse, PartAlpha, VCumsum, TailC, PartChosenC, Axes, Rms, BlockTable, SeqLens, Out,
+             num_kv_heads, k, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DF: tl.constexpr, PAGE_SIZE: tl.constexpr, ATTEND_SPLITS: tl.constexpr,
+             BLOCK_AS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr):
     """out = alpha * (the splits' attention, merged) + (1 - alpha) * mean value; alpha = 1 where every key was
-    chosen. A sequence with no keys (a CUDA graph's padding) gets zeros. One program per BLOCK_D columns of a head,
-    few enough that it holds no more than 4,096 partial values: at batch 1 there are up to 128 splits
-    (docs/kernel-notes.md)."""
+    chosen. With AXES, plus Axes times (the unchosen keys' share of TailC, at the values' scale, minus (1 - alpha)
+    times the mean value's coordinates). A sequence with no keys (a CUDA graph's padding) gets zeros. One program
+    per BLOCK_D columns of a head, few enough that it holds no more than 4,096 partial values: at batch 1 there
+    are up to 128 splits (docs/kernel-notes.md)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     h = head // GROUP
@@ -275,6 +320,24 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, BlockTable, SeqLens, Out, num
     v_mean = tl.load(VCumsum + (last * num_kv_heads + h) * HEAD_DIM + d, mask=d_ok & (n_keys > 0), other=0.0)
     v_mean = v_mean / tl.maximum(n_keys, 1).to(tl.float32)
     out = alpha * attn + (1.0 - alpha) * v_mean
+    if AXES > 0:
+        a = tl.arange(0, BLOCK_A)
+        a_ok = a < AXES
+        tail = tl.load(TailC + (b * num_kv_heads * GROUP + head) * AXES + a, mask=a_ok, other=0.0)
+        chosen = tl.load(PartChosenC + part[:, None] * AXES + a[None, :], mask=s_ok[:, None] & a_ok[None, :],
+                         other=0.0)
+        tail = (tail - tl.sum(chosen, 0)) * tl.load(Rms + h * AXES + a, mask=a_ok, other=0.0)
+        # the mean value's coordinates need all its columns, not only this program's
+        df = tl.arange(0, BLOCK_DF)
+        df_ok = df < HEAD_DIM
+        mean_all = tl.load(VCumsum + (last * num_kv_heads + h) * HEAD_DIM + df, mask=df_ok & (n_keys > 0), other=0.0)
+        mean_all = mean_all / tl.maximum(n_keys, 1).to(tl.float32)
+        axes_all = tl.load(Axes + (h * HEAD_DIM + df[:, None]) * AXES + a[None, :],
+                           mask=df_ok[:, None] & a_ok[None, :], other=0.0)
+        tail -= (1.0 - alpha) * tl.sum(axes_all * mean_all[:, None], 0)
+        axes_d = tl.load(Axes + (h * HEAD_DIM + d[:, None]) * AXES + a[None, :], mask=d_ok[:, None] & a_ok[None, :],
+                         other=0.0)
+        out += tl.where(n_keys <= k, 0.0, tl.sum(axes_d * tail[None, :], 1))
     tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
@@ -343,22 +406,30 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
                                     GROUP_PAD=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, UPCAST=upcast)
     # (block, head, component, token) strides of the keys read
     key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
+    # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
+    # each score split's keys, all keys, each attend split's chosen keys
+    axes = kv_cache.value_axes
+    tail = dict(AXES=axes, BLOCK_A=max(2, triton.next_power_of_2(axes)))
+    vt = kv_cache.v_t if axes else kv_cache.k_t  # (not read without axes)
+    vt_strides = vt.stride()[:3]
+    part_c, tail_c, part_chosen_c = (torch.empty(*shape, max(axes, 1), dtype=f32, device=dev) for shape in
+                                     ((batch, hq, score_splits), (batch, hq), (batch, hq, attend_splits)))
     _approximate_scores[(batch, hkv, score_splits)](
-        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, scale,
+        q_basis, keys, vt, block_table, seq_lens_k, logits, part_m, part_l, part_c, scale,
         hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
-        *key_strides, GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
-        HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
-        num_warps=score_warps, num_stages=score_stages)
+        *key_strides, *vt_strides, GROUP=group, GROUP_PAD=group_pad, R=r,
+        BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n,
+        NUM_SPLITS=score_splits, UPCAST=upcast, **tail, num_warps=score_warps, num_stages=score_stages)
     # 3. each key's summed probability; the k most likely keys
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
     agg_block = 1024
     digits = digit_histograms(agg)
     _aggregate[(batch, hkv, triton.cdiv(max_keys, agg_block))](
-        logits, part_m, part_l, seq_lens_k, agg, lse, digits, hkv, max_keys, logits.stride(0), logits.stride(1),
-        agg.stride(0), agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
+        logits, part_m, part_l, part_c, seq_lens_k, agg, lse, tail_c, digits, hkv, max_keys, logits.stride(0),
+        logits.stride(1), agg.stride(0), agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, LEVELS=digits.shape[1],
-        KEY_BITS=8 * agg.element_size(), num_warps=4)
+        KEY_BITS=8 * agg.element_size(), **tail, num_warps=4)
     chosen = top_k_positions(agg, num_chosen, first_digits=digits)
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
@@ -366,29 +437,32 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     part_alpha = torch.empty_like(part_lse)
     kc, vc = kv_cache.k, kv_cache.v
     _attend_chosen[(batch, hkv, attend_splits)](
-        q, kc, vc, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, scale, hkv,
-        num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0), block_table.stride(0),
-        logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1),
+        q, kc, vc, vt, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, part_chosen_c,
+        scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0),
+        block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1), *vt_strides,
         GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
-        NUM_SPLITS=attend_splits, UPCAST=upcast, num_warps=attend_warps, num_stages=attend_stages)
-    # 5. combine with the mean value
+        NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, num_warps=attend_warps, num_stages=attend_stages)
+    # 5. combine with the mean value (and the values' coordinates)
     combine_d = min(block_d, max(16, 4096 // triton.next_power_of_2(attend_splits)))
+    value_axes, value_rms = (kv_cache.sparq_value_axes, kv_cache.sparq_value_rms) if axes else (part_c, part_c)
     _combine[(batch, hq, triton.cdiv(dim, combine_d))](
-        part_out, part_lse, part_alpha, kv_cache.v_cumsum, block_table, seq_lens_k, out, hkv, k,
-        block_table.stride(0), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=dim, BLOCK_D=combine_d,
-        PAGE_SIZE=page, ATTEND_SPLITS=attend_splits,
-        BLOCK_AS=triton.next_power_of_2(attend_splits), num_warps=1)
+        part_out, part_lse, part_alpha, kv_cache.v_cumsum, tail_c, part_chosen_c, value_axes, value_rms,
+        block_table, seq_lens_k, out, hkv, k, block_table.stride(0), out.stride(0), out.stride(1), GROUP=group,
+        HEAD_DIM=dim, BLOCK_D=combine_d, BLOCK_DF=block_d, PAGE_SIZE=page, ATTEND_SPLITS=attend_splits,
+        BLOCK_AS=triton.next_power_of_2(attend_splits), **tail, num_warps=1)
     return out
 
 
 @triton.jit
-def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK, num_kv_heads,
-                        stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK,
+                        num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr):
+                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
+                        UPCAST: tl.constexpr):
     """One program per (sequence, KV head): its new keys (turned into the KV head's basis, with HAS_BASIS) into
-    k_t in e4m3, then the running value sums of the blocks it wrote to, in order (each block's from the one before: no
-    other program could supply them in time)."""
+    k_t in e4m3 (with AXES, its new values' coordinates along Axes, divided by Rms, into VT), then the running
+    value sums of the blocks it wrote to, in order (each block's from the one before: no other program could
+    supply them in time)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(CuSeqlensQ + b)
@@ -404,6 +478,12 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeq
     if HAS_BASIS:
         turn = tl.load(Basis + h * HEAD_DIM * HEAD_DIM + d[:, None] * HEAD_DIM + d[None, :],
                        mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+    a = tl.arange(0, BLOCK_A)  # (padded to 16 columns for the tensor cores)
+    a_ok = a < AXES
+    if AXES > 0:
+        axes = tl.load(Axes + (h * HEAD_DIM + d[:, None]) * AXES + a[None, :], mask=d_ok[:, None] & a_ok[None, :],
+                       other=0.0)
+        rms = tl.load(Rms + h * AXES + a, mask=a_ok, other=1.0)
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     if first_new >= PAGE_SIZE:
         before = tl.load(BlockTable + b * stride_bt + first_new // PAGE_SIZE - 1).to(tl.int64)
@@ -423,6 +503,10 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, SlotMapping, BlockTable, CuSeq
         v = tl.load(V + block * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :],
                     mask=(in_page & (pos < length))[:, None] & d_ok[None, :], other=0.0)
         total += tl.sum(v.to(tl.float32), 0)
+        if AXES > 0:
+            coords = tile_dot(v.to(tl.float32), axes, False) / rms[None, :]
+            tl.store(VT + ((block * num_kv_heads + h) * AXES + a[None, :]) * PAGE_SIZE + t[:, None], to_e4m3(coords),
+                     mask=new[:, None] & a_ok[None, :])
         tl.store(VCumsum + (block * num_kv_heads + h) * HEAD_DIM + d, total, mask=d_ok)
 
 
@@ -435,8 +519,12 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     _, page, heads, dim = kv_cache.v.shape
     v = kv_cache.v
     basis = _basis(kv_cache.sparq_basis, k.dtype)
+    axes = kv_cache.value_axes
+    vt, value_axes, value_rms = ((kv_cache.v_t, kv_cache.sparq_value_axes, kv_cache.sparq_value_rms) if axes else
+                                 (kv_cache.k_t, kv_cache.v_cumsum, kv_cache.v_cumsum))  # (not read without axes)
     _write_sparq_copies[(batch, heads)](
-        k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, slot_mapping, block_table, cu_seqlens_q, seq_lens_k, heads,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2), block_table.stride(0), HEAD_DIM=dim,
-        BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page, ROWS=max(page, 16), HAS_BASIS=basis is not None,
+        k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, vt, value_axes, value_rms, slot_mapping, block_table,
+        cu_seqlens_q, seq_lens_k, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2),
+        block_table.stride(0), HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page,
+        ROWS=max(page, 16), HAS_BASIS=basis is not None, AXES=axes, BLOCK_A=max(16, triton.next_power_of_2(axes)),
         UPCAST=_upcast(k.dtype))

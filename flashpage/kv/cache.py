@@ -26,6 +26,10 @@ written slot, so that SparQ's mean value is one read per sequence. Both are writ
 queries are turned by `sparq_query_basis` (its inverse transpose, so that q.k is kept; None: `sparq_basis` itself,
 for an orthonormal one); there SparQ chooses its components. The engine's are the principal axes of each layer's
 keys, scaled (`flashpage.engine.sparse.sparq_turns`).
+With `"value_axes": m`, a third extra: `v_t` [num_blocks, num_kv_heads, m, block_size] e4m3, each value's
+coordinates along the layer's m principal axes of its values, `sparq_value_axes` [num_kv_heads, head_dim, m],
+divided by the values' RMS along each, `sparq_value_rms` [num_kv_heads, m] (both float32), component-major as
+`k_t`: the unchosen keys' share of SparQ's output comes from them (`reference.sparq_attention`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class KVCache:
     keys_rotated: bool = False  # FP8: keys (and the queries that meet them) rotated as they are written (above)
     sparq_basis: torch.Tensor | None = None  # SparQ: the keys' turn into k_t [num_kv_heads, head_dim, head_dim]
     sparq_query_basis: torch.Tensor | None = None  # SparQ: the queries' turn (None: sparq_basis's)
+    v_t: torch.Tensor | None = None  # SparQ with value axes: coordinates [num_blocks, num_kv_heads, m, block_size]
+    sparq_value_axes: torch.Tensor | None = None  # SparQ: the values' principal axes [num_kv_heads, head_dim, m]
+    sparq_value_rms: torch.Tensor | None = None  # SparQ: the values' RMS along each [num_kv_heads, m]
 
     @property
     def sparq_query_turn(self) -> torch.Tensor | None:
@@ -74,6 +81,17 @@ class KVCache:
                     self.v_cumsum.shape != (blocks, heads, dim) or self.v_cumsum.dtype != torch.float32:
                 raise ValueError(f"a SparQ cache needs k_t {(blocks, heads, dim, page)} float8_e4m3fn and "
                                  f"v_cumsum {(blocks, heads, dim)} float32")
+        if self.v_t is not None:
+            blocks, page, heads, _ = self.k.shape
+            if self.v_t.shape[:2] != (blocks, heads) or self.v_t.shape[3] != page or self.v_t.dtype != FP8 or \
+                    self.sparq_value_axes is None or self.sparq_value_rms is None:
+                raise ValueError(f"a SparQ cache's v_t is float8_e4m3fn {(blocks, heads, 'm', page)}, with its "
+                                 "sparq_value_axes and sparq_value_rms")
+
+    @property
+    def value_axes(self) -> int:
+        """SparQ: the values' axes its copy `v_t` holds coordinates along (0: none, the mean value)."""
+        return 0 if self.v_t is None else self.v_t.shape[2]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,6 +110,7 @@ class KVCache:
         """Blocks src -> dst (copy-on-write), an INT8 cache's scales along; as bytes (CUDA indexes no FP8 tensor)."""
         per_slot = (self.k_scale, self.v_scale) if self.scaled_per_token else ()
         sparq = (self.k_t.view(torch.uint8), self.v_cumsum) if self.k_t is not None else ()
+        sparq += (self.v_t.view(torch.uint8),) if self.v_t is not None else ()
         for c in (self.k.view(torch.uint8), self.v.view(torch.uint8), *per_slot, *sparq):
             c[dst] = c[src]
 
@@ -107,18 +126,22 @@ class KVCache:
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       sparq: bool = False) -> int:
+                       sparq: bool = False, value_axes: int = 0) -> int:
     """Bytes one block takes over all layers, K and V (with an INT8 cache's per-token scales, a SparQ cache's
-    second copy of K and value sums)."""
+    second copy of K, value sums and values' coordinates)."""
     scales = 4 if dtype == torch.int8 else 0
     per_layer = 2 * block_size * num_kv_heads * (head_dim * dtype.itemsize + scales)
     if sparq:
         per_layer += num_kv_heads * head_dim * (block_size * SPARQ_COPY_DTYPE.itemsize + 4)
+        per_layer += num_kv_heads * value_axes * block_size * SPARQ_COPY_DTYPE.itemsize
     return num_layers * per_layer
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device, sparq: bool = False) -> list[KVCache]:
+                       dtype: torch.dtype, device: torch.device, sparq: bool = False,
+                       value_axes: int = 0) -> list[KVCache]:
+    """Each layer's cache; `sparq`: with SparQ's extras (`value_axes` > 0: its copy of the values' coordinates
+    too, whose axes and RMS the caller sets)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
     def scales():
@@ -134,6 +157,14 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
         return (torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=SPARQ_COPY_DTYPE, device=device),
                 torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device))
 
+    def value_coordinates():  # (v_t, its axes, their RMS: zeros and ones until the caller sets them)
+        if not (sparq and value_axes):
+            return {}
+        return {"v_t": torch.empty(num_blocks, num_kv_heads, value_axes, block_size, dtype=SPARQ_COPY_DTYPE,
+                                   device=device),
+                "sparq_value_axes": torch.zeros(num_kv_heads, head_dim, value_axes, device=device),
+                "sparq_value_rms": torch.ones(num_kv_heads, value_axes, device=device)}
+
     return [KVCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
-                    scales(), scales(), *sparq_copies(), keys_rotated=dtype == torch.float8_e4m3fn)
-            for _ in range(num_layers)]
+                    scales(), scales(), *sparq_copies(), keys_rotated=dtype == torch.float8_e4m3fn,
+                    **value_coordinates()) for _ in range(num_layers)]
