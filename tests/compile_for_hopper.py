@@ -112,7 +112,7 @@ def main() -> None:
         # axes) and its cache extras (the copy in e4m3)
         k_t = cache.permute(0, 2, 3, 1).contiguous().to(torch.float8_e4m3fn)
         for basis, axes in ((None, 0), (rand(2, 128, 128, dtype=dtype), 0), (None, 4)):
-            with_axes = dict(v_t=k_t[:, :, :axes].contiguous(), sparq_value_rms=torch.ones(2, axes),
+            with_axes = dict(v_t=k_t[:, :, :16, :axes].contiguous(), sparq_value_rms=torch.ones(2, axes),
                              sparq_value_axes=rand(2, 128, axes, dtype=torch.float32)) if axes else {}
             sparq_cache = KVCache(cache, cache, k_t=k_t, v_cumsum=torch.zeros(8, 2, 128), sparq_basis=basis,
                                   **with_axes)

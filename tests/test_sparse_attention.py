@@ -108,7 +108,7 @@ def check_sparq_extras(cache, table, seq_lens):
             assert (stored == ref.as_sparq_copy(turned)).double().mean() > 0.99
             assert 0.01 < rel_err(stored, turned) < 2**-4  # rounded to e4m3, and no more
         if cache.v_t is not None:
-            stored = cache.v_t[blocks[slots // page], :, :, slots % page].double()
+            stored = cache.v_t[blocks[slots // page], :, slots % page].double()
             coords = torch.einsum("thd,hdm->thm", cache.v[blocks[slots // page], slots % page].double(),
                                   cache.sparq_value_axes.double()) / cache.sparq_value_rms.double()
             assert (stored == ref.as_sparq_copy(coords)).double().mean() > 0.99
@@ -338,7 +338,7 @@ def test_sparq_value_axes_engine(smollm_llm):
     cfg = {**SPARQ, "basis": "none", "prompt": True}  # (the values' axes alone are calibrated)
     engine = engine_from(smollm_llm, sparse_attention={**cfg, "value_axes": 4})
     caches = engine.runner.kv_caches
-    assert all(c.v_t.shape[1:3] == (3, 4) and c.sparq_value_axes.shape == (3, 64, 4) for c in caches)
+    assert all(c.v_t.shape[1:] == (3, 64, 4) and c.sparq_value_axes.shape == (3, 64, 4) for c in caches)
     assert all((c.sparq_value_axes.transpose(1, 2) @ c.sparq_value_axes - torch.eye(4)).abs().max() < 1e-5
                for c in caches)
     assert rel_err(caches[0].sparq_value_axes, caches[1].sparq_value_axes) > 0.1

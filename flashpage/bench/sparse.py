@@ -71,9 +71,9 @@ def sparq_cache(batch: int, context: int, block: int = 16, axes: int = 0) -> tup
     with_axes = {}
     if axes:
         value_axes = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q[..., :axes].contiguous()
-        v_t = torch.empty(blocks, HKV, axes, block, device="cuda", dtype=SPARQ_COPY_DTYPE)
+        v_t = torch.empty(blocks, HKV, block, axes, device="cuda", dtype=SPARQ_COPY_DTYPE)
         for i in range(0, blocks, 4096):  # (in pieces: a float32 copy of a large cache's values would not fit)
-            v_t[i:i + 4096] = torch.einsum("btkd,kdm->bkmt", v[i:i + 4096].float(), value_axes).to(v_t.dtype)
+            v_t[i:i + 4096] = torch.einsum("btkd,kdm->bktm", v[i:i + 4096].float(), value_axes).to(v_t.dtype)
         with_axes = dict(v_t=v_t, sparq_value_axes=value_axes, sparq_value_rms=torch.ones(HKV, axes, device="cuda"))
     return KVCache(k, v, k_t=k_t, v_cumsum=v_cumsum, sparq_basis=basis, **with_axes), table
 

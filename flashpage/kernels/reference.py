@@ -348,7 +348,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
             turned = kv_cache.k_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:len_k].to(dt)
         coords = None  # the values' coordinates along the axes, as `v_t` holds them, times their RMS: [keys, Hkv, m]
         if axes is not None:
-            coords = kv_cache.v_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:len_k].to(dt) * \
+            coords = kv_cache.v_t[blocks].transpose(1, 2).flatten(0, 1)[:len_k].to(dt) * \
                 kv_cache.sparq_value_rms.to(dt)
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
@@ -420,7 +420,7 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(in_basis(k[keep], kv_cache.sparq_basis)).to(FP8)
     if kv_cache.v_t is not None:
         values = kv_cache.v.flatten(0, 1)[slots].float()
-        kv_cache.v_t[slots // page, :, :, slots % page] = as_value_coordinates(
+        kv_cache.v_t[slots // page, :, slots % page] = as_value_coordinates(
             values, kv_cache.sparq_value_axes, kv_cache.sparq_value_rms).to(FP8)
     cu, lens = cu_seqlens_q.tolist(), seq_lens_k.tolist()
     for i, length in enumerate(lens):

@@ -75,9 +75,20 @@ def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE
 
 
 @triton.jit
+def _coordinates_tile(VT, block, page_ok, h, a_ok, stride_vblock, stride_vhead, stride_vtok,
+                      PAGE_SIZE: tl.constexpr, BLOCK_A: tl.constexpr):
+    """The values' coordinates of a tile's keys, [pages, PAGE_SIZE, BLOCK_A]: a page's are one run of PAGE_SIZE *
+    AXES bytes."""
+    t = tl.arange(0, PAGE_SIZE)
+    a = tl.arange(0, BLOCK_A)
+    return tl.load(VT + block[:, None, None] * stride_vblock + h * stride_vhead + t[None, :, None] * stride_vtok
+                   + a[None, None, :], mask=page_ok[:, None, None] & a_ok[None, None, :], other=0.0)
+
+
+@triton.jit
 def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, PartC, sm_scale_log2,
                         num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block,
-                        stride_head, stride_comp, stride_tok, stride_vblock, stride_vhead, stride_vcomp,
+                        stride_head, stride_comp, stride_tok, stride_vblock, stride_vhead, stride_vtok,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
@@ -86,7 +97,7 @@ def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, Pa
     Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
     tensor cores compute beyond it). KT is the component-major copy (stride_tok 1), or the cache's K itself
     (strided reads, for comparison). With AXES, each head's sum of exp2(s - max) times the keys' values'
-    coordinates (VT, component-major as KT) beside its sum of exp2(s - max), into PartC."""
+    coordinates (VT, token-major: all of a key's are read) beside its sum of exp2(s - max), into PartC."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,19 +131,20 @@ def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, Pa
     kt_rows = h * stride_head + comp.to(tl.int64) * stride_comp  # within a block
     a = tl.arange(0, BLOCK_A)
     a_ok = a < AXES
-    vt_rows = h * stride_vhead + a.to(tl.int64) * stride_vcomp
-    c_i = tl.zeros([GROUP_PAD, BLOCK_A], dtype=tl.float32)
+    c_i = tl.zeros([BLOCK_A, GROUP_PAD], dtype=tl.float32)
     # loads run ahead of their use (the block numbers two tiles, the keys one), so that no load in the loop waits
     # for another: a warp's tile is small, and a load that waited on its block number paid two latencies
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo, hi, BLOCK_N, PAGE_SIZE)
     kt = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
     if AXES > 0:
-        vt = _copy_tile(VT, block, page_ok, vt_rows, a_ok, stride_vblock, 1, PAGE_SIZE)
+        vt = _coordinates_tile(VT, block, page_ok, h, a_ok, stride_vblock, stride_vhead, stride_vtok, PAGE_SIZE,
+                               BLOCK_A)
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo + BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
         kt_next = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
         if AXES > 0:
-            vt_next = _copy_tile(VT, block, page_ok, vt_rows, a_ok, stride_vblock, 1, PAGE_SIZE)
+            vt_next = _coordinates_tile(VT, block, page_ok, h, a_ok, stride_vblock, stride_vhead, stride_vtok,
+                                        PAGE_SIZE, BLOCK_A)
         block, page_ok = _tile_pages(BlockTable, b, stride_bt, start + 2 * BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
         k_hat = tl.trans(tl.reshape(kt, [BLOCK_R, BLOCK_N]))
         s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [BLOCK_N, GROUP_PAD], base 2
@@ -146,8 +158,8 @@ def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, Pa
         rescale = tl.exp2(m_i - m_new)
         l_i = l_i * rescale + tl.sum(p, 0)
         if AXES > 0:  # (keys past the end are masked here too: the copy's unwritten slots may hold NaNs)
-            c = tl.where(ok[:, None], tl.trans(tl.reshape(vt, [BLOCK_A, BLOCK_N])).to(tl.float32), 0.0)
-            c_i = c_i * rescale[:, None] + tl.sum(p[:, :, None] * c[:, None, :], 0)
+            c = tl.where(ok[:, None], tl.reshape(vt, [BLOCK_N, BLOCK_A]).to(q_hat_t.dtype), 0.0)
+            c_i = c_i * rescale[None, :] + tile_dot(tl.trans(c), p.to(q_hat_t.dtype), UPCAST)
             vt = vt_next
         m_i = m_new
         kt = kt_next
@@ -155,7 +167,7 @@ def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, Pa
     tl.store(PartM + part, m_i, mask=g_ok)
     tl.store(PartL + part, l_i, mask=g_ok)
     if AXES > 0:
-        tl.store(PartC + part[:, None] * AXES + a[None, :], c_i, mask=g_ok[:, None] & a_ok[None, :])
+        tl.store(PartC + part[None, :] * AXES + a[:, None], c_i, mask=a_ok[:, None] & g_ok[None, :])
 
 
 @triton.jit
@@ -224,7 +236,7 @@ def _chosen_tile(Chosen, BlockTable, b, h, n_keys, start, hi, stride_xb, stride_
 def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
                    PartChosenC, sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch,
                    stride_cb, stride_bt, stride_lb, stride_lh, stride_xb, stride_xh, stride_vblock, stride_vhead,
-                   stride_vcomp, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   stride_vtok, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    AXES: tl.constexpr, BLOCK_A: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over this split's share of the chosen keys; rows are the group's heads. Beside it alpha, the
@@ -261,9 +273,9 @@ def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLe
         v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g[:, None],
                         mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
-        if AXES > 0:  # [BLOCK_N, BLOCK_A]
-            c = tl.load(VT + block[:, None] * stride_vblock + h * stride_vhead + a[None, :] * stride_vcomp
-                        + (key % PAGE_SIZE)[:, None], mask=ok[:, None] & a_ok[None, :], other=0.0).to(tl.float32)
+        if AXES > 0:  # [BLOCK_N, BLOCK_A]: a key's are one run of AXES bytes
+            c = tl.load(VT + block[:, None] * stride_vblock + h * stride_vhead + (key % PAGE_SIZE)[:, None] * stride_vtok
+                        + a[None, :], mask=ok[:, None] & a_ok[None, :], other=0.0)
         tile_ok = ok
         key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, start + BLOCK_N, hi, stride_xb, stride_xh,
                                       stride_bt, BLOCK_N, PAGE_SIZE)
@@ -272,7 +284,10 @@ def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLe
         p_hat = tl.exp2(s_hat - lse[:, None])
         alpha += tl.sum(p_hat, 1)
         if AXES > 0:
-            c_i += tl.sum(p_hat[:, :, None] * c[None, :, :], 1)
+            if q.dtype == tl.float32:
+                c_i += tile_dot(p_hat, c.to(tl.float32), False)
+            else:  # (e4m3 converts to fp16 exactly)
+                c_i += tile_dot(p_hat.to(tl.float16), c.to(tl.float16), False)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -409,7 +424,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
     # each score split's keys, all keys, each attend split's chosen keys
     axes = kv_cache.value_axes
-    tail = dict(AXES=axes, BLOCK_A=max(2, triton.next_power_of_2(axes)))
+    tail = dict(AXES=axes, BLOCK_A=max(16, triton.next_power_of_2(axes)))  # (16 rows at least for tensor cores)
     vt = kv_cache.v_t if axes else kv_cache.k_t  # (not read without axes)
     vt_strides = vt.stride()[:3]
     part_c, tail_c, part_chosen_c = (torch.empty(*shape, max(axes, 1), dtype=f32, device=dev) for shape in
@@ -505,7 +520,7 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, Bl
         total += tl.sum(v.to(tl.float32), 0)
         if AXES > 0:
             coords = tile_dot(v.to(tl.float32), axes, False) / rms[None, :]
-            tl.store(VT + ((block * num_kv_heads + h) * AXES + a[None, :]) * PAGE_SIZE + t[:, None], to_e4m3(coords),
+            tl.store(VT + ((block * num_kv_heads + h) * PAGE_SIZE + t[:, None]) * AXES + a[None, :], to_e4m3(coords),
                      mask=new[:, None] & a_ok[None, :])
         tl.store(VCumsum + (block * num_kv_heads + h) * HEAD_DIM + d, total, mask=d_ok)
 

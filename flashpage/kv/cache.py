@@ -26,10 +26,11 @@ written slot, so that SparQ's mean value is one read per sequence. Both are writ
 queries are turned by `sparq_query_basis` (its inverse transpose, so that q.k is kept; None: `sparq_basis` itself,
 for an orthonormal one); there SparQ chooses its components. The engine's are the principal axes of each layer's
 keys, scaled (`flashpage.engine.sparse.sparq_turns`).
-With `"value_axes": m`, a third extra: `v_t` [num_blocks, num_kv_heads, m, block_size] e4m3, each value's
+With `"value_axes": m`, a third extra: `v_t` [num_blocks, num_kv_heads, block_size, m] e4m3, each value's
 coordinates along the layer's m principal axes of its values, `sparq_value_axes` [num_kv_heads, head_dim, m],
-divided by the values' RMS along each, `sparq_value_rms` [num_kv_heads, m] (both float32), component-major as
-`k_t`: the unchosen keys' share of SparQ's output comes from them (`reference.sparq_attention`).
+divided by the values' RMS along each, `sparq_value_rms` [num_kv_heads, m] (both float32): the unchosen keys'
+share of SparQ's output comes from them (`reference.sparq_attention`). Token-major, unlike `k_t`: every step reads
+all m of every key's, and gathers the chosen keys' m (one run each).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class KVCache:
     keys_rotated: bool = False  # FP8: keys (and the queries that meet them) rotated as they are written (above)
     sparq_basis: torch.Tensor | None = None  # SparQ: the keys' turn into k_t [num_kv_heads, head_dim, head_dim]
     sparq_query_basis: torch.Tensor | None = None  # SparQ: the queries' turn (None: sparq_basis's)
-    v_t: torch.Tensor | None = None  # SparQ with value axes: coordinates [num_blocks, num_kv_heads, m, block_size]
+    v_t: torch.Tensor | None = None  # SparQ with value axes: coordinates [num_blocks, num_kv_heads, block_size, m]
     sparq_value_axes: torch.Tensor | None = None  # SparQ: the values' principal axes [num_kv_heads, head_dim, m]
     sparq_value_rms: torch.Tensor | None = None  # SparQ: the values' RMS along each [num_kv_heads, m]
 
@@ -83,15 +84,15 @@ class KVCache:
                                  f"v_cumsum {(blocks, heads, dim)} float32")
         if self.v_t is not None:
             blocks, page, heads, _ = self.k.shape
-            if self.v_t.shape[:2] != (blocks, heads) or self.v_t.shape[3] != page or self.v_t.dtype != FP8 or \
+            if self.v_t.shape[:3] != (blocks, heads, page) or self.v_t.dtype != FP8 or \
                     self.sparq_value_axes is None or self.sparq_value_rms is None:
-                raise ValueError(f"a SparQ cache's v_t is float8_e4m3fn {(blocks, heads, 'm', page)}, with its "
+                raise ValueError(f"a SparQ cache's v_t is float8_e4m3fn {(blocks, heads, page, 'm')}, with its "
                                  "sparq_value_axes and sparq_value_rms")
 
     @property
     def value_axes(self) -> int:
         """SparQ: the values' axes its copy `v_t` holds coordinates along (0: none, the mean value)."""
-        return 0 if self.v_t is None else self.v_t.shape[2]
+        return 0 if self.v_t is None else self.v_t.shape[3]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,7 +161,7 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     def value_coordinates():  # (v_t, its axes, their RMS: zeros and ones until the caller sets them)
         if not (sparq and value_axes):
             return {}
-        return {"v_t": torch.empty(num_blocks, num_kv_heads, value_axes, block_size, dtype=SPARQ_COPY_DTYPE,
+        return {"v_t": torch.empty(num_blocks, num_kv_heads, block_size, value_axes, dtype=SPARQ_COPY_DTYPE,
                                    device=device),
                 "sparq_value_axes": torch.zeros(num_kv_heads, head_dim, value_axes, device=device),
                 "sparq_value_rms": torch.ones(num_kv_heads, value_axes, device=device)}
