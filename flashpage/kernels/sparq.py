@@ -17,6 +17,10 @@ sum, instead of every key and value:
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
    head.
+With value axes (`v_t`, the values' coordinates along them) the unchosen keys' share goes to their own values
+along those axes: step 2 also sums each head's exp2(s - max) times every key's coordinates, step 3 merges the
+splits' sums (each key's approximate probability times its coordinates, over all keys), step 4 subtracts the chosen
+keys' share, and step 5 adds the axes times what is left, less (1 - alpha) times the mean value's coordinates.
 Decode only: one query per sequence. Steps 1 and 2 see the keys turned by the cache's `sparq_basis` (`k_t` is
 written so) and the queries by its `sparq_query_basis` (`_turn_queries`, first); steps 4 and 5 the keys as they
 are.
