@@ -199,8 +199,8 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
     output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
     `turned`: in a random basis of each KV head, and the keys chosen by the chunked select that long rows take (in
-    chunks of 64, its first digits counted by the aggregation); `strided` (K read instead of the copy) SparQ over
-    unrounded keys; `axes`: with so many value axes."""
+    chunks of 64, its first digits counted by the aggregation, here in programs of 32 keys); `strided` (K read
+    instead of the copy) SparQ over unrounded keys; `axes`: with so many value axes."""
     torch.manual_seed(sum(lens_k) + r)
     basis = query_basis = None
     if turned:  # the engine's kind: an orthonormal basis, its axes scaled by w for queries and 1 / w for keys
@@ -208,6 +208,8 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         basis, query_basis = turn / w, turn * w
         monkeypatch.setattr(topk, "MAX_ROW", 0)
         monkeypatch.setattr(topk, "CHUNK", 64)
+        monkeypatch.setattr(sparq, "AGGREGATE_KEYS", 32)  # the tail summed over many programs, added 4 at a time
+        monkeypatch.setattr(sparq, "TAIL_ROWS", 4)
     check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes))
     cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis, axes)
     cache.sparq_query_basis = query_basis

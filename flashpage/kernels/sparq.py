@@ -18,9 +18,9 @@ sum, instead of every key and value:
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
    head.
 With value axes (`v_t`, the values' coordinates along them) the unchosen keys' share goes to their own values
-along those axes: step 2 also sums each head's exp2(s - max) times every key's coordinates, step 3 merges the
-splits' sums (each key's approximate probability times its coordinates, over all keys), step 4 subtracts the chosen
-keys' share, and step 5 adds the axes times what is left, less (1 - alpha) times the mean value's coordinates.
+along those axes: step 3 also sums each head's approximate probability times the coordinates over its keys (one
+8-byte run a key), step 4 the chosen keys' share, and step 5 adds the axes times the difference, less (1 - alpha)
+times the mean value's coordinates.
 Decode only: one query per sequence. Steps 1 and 2 see the keys turned by the cache's `sparq_basis` (`k_t` is
 written so) and the queries by its `sparq_query_basis` (`_turn_queries`, first); steps 4 and 5 the keys as they
 are.
@@ -38,6 +38,9 @@ from flashpage.kernels.quantize import to_e4m3
 from flashpage.kernels.topk import count_first_digits, digit_histograms, top_k_positions
 
 _LOG2E = 1.4426950408889634
+AGGREGATE_KEYS = 1024  # keys per aggregation program
+TAIL_ROWS = 64  # the aggregation programs' sums of the tail that the combine adds at a time
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # integers of so many bytes
 
 
 @triton.jit
@@ -79,29 +82,16 @@ def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE
 
 
 @triton.jit
-def _coordinates_tile(VT, block, page_ok, h, a_ok, stride_vblock, stride_vhead, stride_vtok,
-                      PAGE_SIZE: tl.constexpr, BLOCK_A: tl.constexpr):
-    """The values' coordinates of a tile's keys, [pages, PAGE_SIZE, BLOCK_A]: a page's are one run of PAGE_SIZE *
-    AXES bytes."""
-    t = tl.arange(0, PAGE_SIZE)
-    a = tl.arange(0, BLOCK_A)
-    return tl.load(VT + block[:, None, None] * stride_vblock + h * stride_vhead + t[None, :, None] * stride_vtok
-                   + a[None, None, :], mask=page_ok[:, None, None] & a_ok[None, None, :], other=0.0)
-
-
-@triton.jit
-def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, PartC, sm_scale_log2,
-                        num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block,
-                        stride_head, stride_comp, stride_tok, stride_vblock, stride_vhead, stride_vtok,
-                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
+def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2, num_kv_heads, stride_qb,
+                        stride_qh, stride_bt, stride_lb, stride_lh, stride_block, stride_head, stride_comp,
+                        stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr,
+                        BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         UPCAST: tl.constexpr):
     """Tiles of BLOCK_N keys by the group's heads (the keys are the product's rows, so the scores come out as
     Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
     tensor cores compute beyond it). KT is the component-major copy (stride_tok 1), or the cache's K itself
-    (strided reads, for comparison). With AXES, each head's sum of exp2(s - max) times the keys' values'
-    coordinates (VT, token-major: all of a key's are read) beside its sum of exp2(s - max), into PartC."""
+    (strided reads, for comparison)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,22 +123,13 @@ def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, Pa
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     kt_rows = h * stride_head + comp.to(tl.int64) * stride_comp  # within a block
-    a = tl.arange(0, BLOCK_A)
-    a_ok = a < AXES
-    c_i = tl.zeros([BLOCK_A, GROUP_PAD], dtype=tl.float32)
     # loads run ahead of their use (the block numbers two tiles, the keys one), so that no load in the loop waits
     # for another: a warp's tile is small, and a load that waited on its block number paid two latencies
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo, hi, BLOCK_N, PAGE_SIZE)
     kt = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
-    if AXES > 0:
-        vt = _coordinates_tile(VT, block, page_ok, h, a_ok, stride_vblock, stride_vhead, stride_vtok, PAGE_SIZE,
-                               BLOCK_A)
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo + BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
         kt_next = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
-        if AXES > 0:
-            vt_next = _coordinates_tile(VT, block, page_ok, h, a_ok, stride_vblock, stride_vhead, stride_vtok,
-                                        PAGE_SIZE, BLOCK_A)
         block, page_ok = _tile_pages(BlockTable, b, stride_bt, start + 2 * BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
         k_hat = tl.trans(tl.reshape(kt, [BLOCK_R, BLOCK_N]))
         s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [BLOCK_N, GROUP_PAD], base 2
@@ -161,17 +142,11 @@ def _approximate_scores(Q, KT, VT, BlockTable, SeqLens, Logits, PartM, PartL, Pa
         p = tl.exp2(s - m_new[None, :])
         rescale = tl.exp2(m_i - m_new)
         l_i = l_i * rescale + tl.sum(p, 0)
-        if AXES > 0:  # (keys past the end are masked here too: the copy's unwritten slots may hold NaNs)
-            c = tl.where(ok[:, None], tl.reshape(vt, [BLOCK_N, BLOCK_A]).to(q_hat_t.dtype), 0.0)
-            c_i = c_i * rescale[None, :] + tile_dot(tl.trans(c), p.to(q_hat_t.dtype), UPCAST)
-            vt = vt_next
         m_i = m_new
         kt = kt_next
     part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
     tl.store(PartM + part, m_i, mask=g_ok)
     tl.store(PartL + part, l_i, mask=g_ok)
-    if AXES > 0:
-        tl.store(PartC + part[None, :] * AXES + a[:, None], c_i, mask=a_ok[:, None] & g_ok[None, :])
 
 
 @triton.jit
@@ -190,39 +165,47 @@ def _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP: tl.constexpr
 
 
 @triton.jit
-def _aggregate(Logits, PartM, PartL, PartC, SeqLens, Agg, Lse, TailC, Digits, num_kv_heads, max_keys, stride_lb,
-               stride_lh, stride_ab, stride_ah, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-               NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
-               KEY_BITS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr):
+def _byte_as_e4m3(word, j):
+    """Byte j of each word (integer tensors) as the e4m3 value it holds, in float32."""
+    return ((word >> (8 * j)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, PartTail, Digits, num_kv_heads, max_keys,
+               stride_lb, stride_lh, stride_ab, stride_ah, stride_bt, stride_vblock, stride_vhead, stride_vtok,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+               BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+               AXES: tl.constexpr, WORD: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end), and the top-k
-    select's first digits of them; with AXES, each head's sum over all keys of approximate probability times
-    values' coordinates (TailC), from the splits' sums."""
+    select's first digits of them; with AXES, each head's sum over this program's keys of approximate probability
+    times the values' coordinates (PartTail, one row per program: the combine sums them), from VTWords, the copy
+    `v_t` viewed as words of WORD bytes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    chunk = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     g_ok = g < GROUP
     heads = h * GROUP + g
     lse = _log_sum_exp(PartM, PartL, b, heads, g_ok, num_kv_heads, GROUP, NUM_SPLITS, BLOCK_S)
-    if tl.program_id(2) == 0:
+    if chunk == 0:
         tl.store(Lse + b * num_kv_heads * GROUP + heads, lse, mask=g_ok)
-        if AXES > 0:
-            splits = tl.arange(0, BLOCK_S)
-            a = tl.arange(0, BLOCK_A)
-            at = ((b * num_kv_heads * GROUP + heads) * NUM_SPLITS)[:, None] + splits[None, :]  # [heads, splits]
-            at_ok = g_ok[:, None] & (splits[None, :] < NUM_SPLITS)
-            m = tl.load(PartM + at, mask=at_ok, other=float("-inf"))
-            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - lse[:, None]))
-            c = tl.load(PartC + at[:, :, None] * AXES + a[None, None, :],
-                        mask=at_ok[:, :, None] & (a < AXES)[None, None, :], other=0.0)
-            tl.store(TailC + (b * num_kv_heads * GROUP + heads)[:, None] * AXES + a[None, :],
-                     tl.sum(c * w[:, :, None], 1), mask=g_ok[:, None] & (a < AXES)[None, :])
-    n = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    n = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = n < tl.load(SeqLens + b)
-    s = tl.load(Logits + b * stride_lb + h * stride_lh + n[None, :] * GROUP + g[:, None],
-                mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
-    agg = tl.where(ok, tl.sum(tl.exp2(s - lse[:, None]), 0), -1.0).to(Agg.dtype.element_ty)
+    logits = Logits + b * stride_lb + h * stride_lh
+    s = tl.load(logits + n[None, :] * GROUP + g[:, None], mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
+    p = tl.exp2(s - lse[:, None])  # [heads, keys]
+    agg = tl.where(ok, tl.sum(p, 0), -1.0).to(Agg.dtype.element_ty)
     tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
     count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS)
+    if AXES > 0:  # a key's coordinates are one run of AXES bytes; past the end the copy may hold NaNs: masked
+        block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        words = VTWords + (block * stride_vblock + h * stride_vhead + (n % PAGE_SIZE) * stride_vtok) // WORD
+        rows = (b * num_kv_heads * GROUP + heads) * tl.num_programs(2) + chunk
+        for w in tl.static_range(AXES // WORD):  # a key's coordinates as words of WORD bytes: loads a key apart
+            word = tl.load(words + w, mask=ok, other=0)
+            for j in tl.static_range(WORD):  # each axis: the heads' sums over this program's keys
+                c = _byte_as_e4m3(word, j)
+                tl.store(PartTail + rows * AXES + w * WORD + j, tl.sum(p * c[None, :], 1), mask=g_ok)
 
 
 @triton.jit
@@ -237,14 +220,14 @@ def _chosen_tile(Chosen, BlockTable, b, h, n_keys, start, hi, stride_xb, stride_
 
 
 @triton.jit
-def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
+def _attend_chosen(Q, KCache, VCache, VTWords, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
                    PartChosenC, sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch,
                    stride_cb, stride_bt, stride_lb, stride_lh, stride_xb, stride_xh, stride_vblock, stride_vhead,
                    stride_vtok, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   AXES: tl.constexpr, BLOCK_A: tl.constexpr, UPCAST: tl.constexpr):
+                   AXES: tl.constexpr, BLOCK_A: tl.constexpr, WORD: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax over this split's share of the chosen keys; rows are the group's heads. Beside it alpha, the
-    chosen keys' approximate probability, and with AXES their share of TailC (PartChosenC)."""
+    chosen keys' approximate probability, and with AXES their share of the tail (PartChosenC)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -277,9 +260,14 @@ def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLe
         v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g[:, None],
                         mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
-        if AXES > 0:  # [BLOCK_N, BLOCK_A]: a key's are one run of AXES bytes
-            c = tl.load(VT + block[:, None] * stride_vblock + h * stride_vhead + (key % PAGE_SIZE)[:, None] * stride_vtok
-                        + a[None, :], mask=ok[:, None] & a_ok[None, :], other=0.0)
+        if AXES > 0:  # [BLOCK_N, BLOCK_A]: a key's are one run of AXES bytes, read as words of WORD bytes
+            words = VTWords + (block * stride_vblock + h * stride_vhead + (key % PAGE_SIZE) * stride_vtok) // WORD
+            c = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+            for w in tl.static_range(AXES // WORD):
+                word = tl.load(words + w, mask=ok, other=0)
+                in_word = a // WORD == w
+                byte = tl.where(in_word, a - w * WORD, 0)
+                c = tl.where(in_word[None, :], _byte_as_e4m3(word[:, None], byte[None, :]), c)
         tile_ok = ok
         key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, start + BLOCK_N, hi, stride_xb, stride_xh,
                                       stride_bt, BLOCK_N, PAGE_SIZE)
@@ -310,12 +298,12 @@ def _attend_chosen(Q, KCache, VCache, VT, Chosen, Logits, Lse, BlockTable, SeqLe
 
 
 @triton.jit
-def _combine(PartOut, PartLse, PartAlpha, VCumsum, TailC, PartChosenC, Axes, Rms, BlockTable, SeqLens, Out,
-             num_kv_heads, k, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+def _combine(PartOut, PartLse, PartAlpha, VCumsum, PartTail, PartChosenC, Axes, Rms, BlockTable, SeqLens, Out,
+             num_kv_heads, k, num_chunks, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
              BLOCK_D: tl.constexpr, BLOCK_DF: tl.constexpr, PAGE_SIZE: tl.constexpr, ATTEND_SPLITS: tl.constexpr,
-             BLOCK_AS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr):
+             BLOCK_AS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr, TAIL_ROWS: tl.constexpr):
     """out = alpha * (the splits' attention, merged) + (1 - alpha) * mean value; alpha = 1 where every key was
-    chosen. With AXES, plus Axes times (the unchosen keys' share of TailC, at the values' scale, minus (1 - alpha)
+    chosen. With AXES, plus Axes times (the unchosen keys' share of the PartTail rows' sum, at the values' scale, minus (1 - alpha)
     times the mean value's coordinates). A sequence with no keys (a CUDA graph's padding) gets zeros. One program
     per BLOCK_D columns of a head, few enough that it holds no more than 4,096 partial values: at batch 1 there
     are up to 128 splits (docs/kernel-notes.md)."""
@@ -342,7 +330,11 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, TailC, PartChosenC, Axes, Rms
     if AXES > 0:
         a = tl.arange(0, BLOCK_A)
         a_ok = a < AXES
-        tail = tl.load(TailC + (b * num_kv_heads * GROUP + head) * AXES + a, mask=a_ok, other=0.0)
+        tail = tl.zeros([BLOCK_A], dtype=tl.float32)
+        for c0 in range(0, num_chunks, TAIL_ROWS):  # the aggregation's programs' sums
+            ch = c0 + tl.arange(0, TAIL_ROWS)
+            tail += tl.sum(tl.load(PartTail + ((b * num_kv_heads * GROUP + head) * num_chunks + ch[:, None]) * AXES
+                                   + a[None, :], mask=(ch < num_chunks)[:, None] & a_ok[None, :], other=0.0), 0)
         chosen = tl.load(PartChosenC + part[:, None] * AXES + a[None, :], mask=s_ok[:, None] & a_ok[None, :],
                          other=0.0)
         tail = (tail - tl.sum(chosen, 0)) * tl.load(Rms + h * AXES + a, mask=a_ok, other=0.0)
@@ -425,30 +417,34 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
                                     GROUP_PAD=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, UPCAST=upcast)
     # (block, head, component, token) strides of the keys read
     key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
-    # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
-    # each score split's keys, all keys, each attend split's chosen keys
-    axes = kv_cache.value_axes
-    tail = dict(AXES=axes, BLOCK_A=max(16, triton.next_power_of_2(axes)))  # (16 rows at least for tensor cores)
-    vt = kv_cache.v_t if axes else kv_cache.k_t  # (not read without axes)
-    vt_strides = vt.stride()[:3]
-    part_c, tail_c, part_chosen_c = (torch.empty(*shape, max(axes, 1), dtype=f32, device=dev) for shape in
-                                     ((batch, hq, score_splits), (batch, hq), (batch, hq, attend_splits)))
     _approximate_scores[(batch, hkv, score_splits)](
-        q_basis, keys, vt, block_table, seq_lens_k, logits, part_m, part_l, part_c, scale,
-        hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
-        *key_strides, *vt_strides, GROUP=group, GROUP_PAD=group_pad, R=r,
-        BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n,
-        NUM_SPLITS=score_splits, UPCAST=upcast, **tail, num_warps=score_warps, num_stages=score_stages)
+        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, scale, hkv, q_basis.stride(0),
+        q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides, GROUP=group,
+        GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim, BLOCK_D=block_d,
+        PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast, num_warps=score_warps,
+        num_stages=score_stages)
     # 3. each key's summed probability; the k most likely keys
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
-    agg_block = 1024
+    chunks = triton.cdiv(max_keys, AGGREGATE_KEYS)
     digits = digit_histograms(agg)
-    _aggregate[(batch, hkv, triton.cdiv(max_keys, agg_block))](
-        logits, part_m, part_l, part_c, seq_lens_k, agg, lse, tail_c, digits, hkv, max_keys, logits.stride(0),
-        logits.stride(1), agg.stride(0), agg.stride(1), GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
-        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=agg_block, LEVELS=digits.shape[1],
-        KEY_BITS=8 * agg.element_size(), **tail, num_warps=4)
+    # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
+    # each aggregation program's keys, each attend split's chosen keys
+    axes = kv_cache.value_axes
+    tail = dict(AXES=axes, BLOCK_A=max(16, triton.next_power_of_2(axes)))  # (16 columns at least for tensor cores)
+    vt = kv_cache.v_t if axes else kv_cache.k_t  # (not read without axes)
+    vt_strides = vt.stride()[:3]
+    part_tail, part_chosen_c = (torch.empty(*shape, max(axes, 1), dtype=f32, device=dev) for shape in
+                                ((batch, hq, chunks), (batch, hq, attend_splits)))
+    # the aggregation and the attention read a key's coordinates as few whole words as divide them: 8 bytes with 8
+    # axes (bytes one by one had made the aggregation six times slower)
+    word = max(w for w in (1, 2, 4, 8) if axes % w == 0) if axes else 1
+    _aggregate[(batch, hkv, chunks)](
+        logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt.view(_WORDS[word]), part_tail, digits, hkv, max_keys,
+        logits.stride(0), logits.stride(1), agg.stride(0), agg.stride(1), block_table.stride(0), *vt_strides,
+        GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits, BLOCK_S=triton.next_power_of_2(score_splits),
+        BLOCK=AGGREGATE_KEYS, LEVELS=digits.shape[1], KEY_BITS=8 * agg.element_size(), PAGE_SIZE=page, AXES=axes,
+        WORD=word, num_warps=4)
     chosen = top_k_positions(agg, num_chosen, first_digits=digits)
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
@@ -456,19 +452,19 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     part_alpha = torch.empty_like(part_lse)
     kc, vc = kv_cache.k, kv_cache.v
     _attend_chosen[(batch, hkv, attend_splits)](
-        q, kc, vc, vt, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, part_chosen_c,
+        q, kc, vc, vt.view(_WORDS[word]), chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, part_chosen_c,
         scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0),
         block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1), *vt_strides,
         GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
-        NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, num_warps=attend_warps, num_stages=attend_stages)
+        NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, WORD=word, num_warps=attend_warps, num_stages=attend_stages)
     # 5. combine with the mean value (and the values' coordinates)
     combine_d = min(block_d, max(16, 4096 // triton.next_power_of_2(attend_splits)))
-    value_axes, value_rms = (kv_cache.sparq_value_axes, kv_cache.sparq_value_rms) if axes else (part_c, part_c)
+    value_axes, value_rms = (kv_cache.sparq_value_axes, kv_cache.sparq_value_rms) if axes else (part_tail,) * 2
     _combine[(batch, hq, triton.cdiv(dim, combine_d))](
-        part_out, part_lse, part_alpha, kv_cache.v_cumsum, tail_c, part_chosen_c, value_axes, value_rms,
-        block_table, seq_lens_k, out, hkv, k, block_table.stride(0), out.stride(0), out.stride(1), GROUP=group,
+        part_out, part_lse, part_alpha, kv_cache.v_cumsum, part_tail, part_chosen_c, value_axes, value_rms,
+        block_table, seq_lens_k, out, hkv, k, chunks, block_table.stride(0), out.stride(0), out.stride(1), GROUP=group,
         HEAD_DIM=dim, BLOCK_D=combine_d, BLOCK_DF=block_d, PAGE_SIZE=page, ATTEND_SPLITS=attend_splits,
-        BLOCK_AS=triton.next_power_of_2(attend_splits), **tail, num_warps=1)
+        BLOCK_AS=triton.next_power_of_2(attend_splits), **tail, TAIL_ROWS=TAIL_ROWS, num_warps=1)
     return out
 
 
