@@ -42,7 +42,7 @@ def compile_only(run):
 def main() -> None:
     driver.set_active(CompileOnlyDriver())
     jit.JITFunction.run = compile_only(jit.JITFunction.run)
-    from flashpage.kernels import pdl
+    from flashpage.kernels import pdl, topk
     pdl.enabled = lambda device: True  # as on a Hopper GPU: the kernels that can launch early do
     from flashpage.kernels import batch_invariant as inv
     from flashpage.kernels import hopper_prefill
@@ -119,6 +119,9 @@ def main() -> None:
             for heads, r in ((8, 32), (6, 8)):
                 tri.sparq_attention(rand(2, heads, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=r,
                                     k=24)
+            max_row, topk.MAX_ROW = topk.MAX_ROW, 0  # (rows the chunked select takes: the aggregation counts digits)
+            tri.sparq_attention(rand(2, 8, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=32, k=24)
+            topk.MAX_ROW = max_row
             tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
                                    torch.tensor([0, 17, 40], dtype=torch.int32), lens)
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms

@@ -35,6 +35,7 @@ import triton.language as tl
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import interpreting, sm_count
 from flashpage.kernels.quantize import to_e4m3
+from flashpage.kernels import topk
 from flashpage.kernels.topk import count_first_digits, digit_histograms, top_k_positions
 
 _LOG2E = 1.4426950408889634
@@ -177,9 +178,9 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
                BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                AXES: tl.constexpr, WORD: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end), and the top-k
-    select's first digits of them; with AXES, each head's sum over this program's keys of approximate probability
-    times the values' coordinates (PartTail, one row per program: the combine sums them), from VTWords, the copy
-    `v_t` viewed as words of WORD bytes."""
+    select's first digits of them (LEVELS of digits, 0 where the select needs none); with AXES, each head's sum over
+    this program's keys of approximate probability times the values' coordinates (PartTail, one row per program:
+    the combine sums them), from VTWords, the copy `v_t` viewed as words of WORD bytes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -196,7 +197,8 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
     p = tl.exp2(s - lse[:, None])  # [heads, keys]
     agg = tl.where(ok, tl.sum(p, 0), -1.0).to(Agg.dtype.element_ty)
     tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
-    count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS)
+    if LEVELS > 0:
+        count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS)
     if AXES > 0:  # a key's coordinates are one run of AXES bytes; past the end the copy may hold NaNs: masked
         block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         words = VTWords + (block * stride_vblock + h * stride_vhead + (n % PAGE_SIZE) * stride_vtok) // WORD
@@ -303,10 +305,10 @@ def _combine(PartOut, PartLse, PartAlpha, VCumsum, PartTail, PartChosenC, Axes, 
              BLOCK_D: tl.constexpr, BLOCK_DF: tl.constexpr, PAGE_SIZE: tl.constexpr, ATTEND_SPLITS: tl.constexpr,
              BLOCK_AS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr, TAIL_ROWS: tl.constexpr):
     """out = alpha * (the splits' attention, merged) + (1 - alpha) * mean value; alpha = 1 where every key was
-    chosen. With AXES, plus Axes times (the unchosen keys' share of the PartTail rows' sum, at the values' scale, minus (1 - alpha)
-    times the mean value's coordinates). A sequence with no keys (a CUDA graph's padding) gets zeros. One program
-    per BLOCK_D columns of a head, few enough that it holds no more than 4,096 partial values: at batch 1 there
-    are up to 128 splits (docs/kernel-notes.md)."""
+    chosen. With AXES, plus Axes times (the unchosen keys' share of the PartTail rows' sum, at the values' scale,
+    minus (1 - alpha) times the mean value's coordinates). A sequence with no keys (a CUDA graph's padding) gets
+    zeros. One program per BLOCK_D columns of a head, few enough that it holds no more than 4,096 partial values:
+    at batch 1 there are up to 128 splits (docs/kernel-notes.md)."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     h = head // GROUP
@@ -427,7 +429,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
     chunks = triton.cdiv(max_keys, AGGREGATE_KEYS)
-    digits = digit_histograms(agg)
+    # rows the select holds in registers need no digits (`topk.MAX_ROW`)
+    digits = digit_histograms(agg) if max_keys > topk.MAX_ROW else None
     # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
     # each aggregation program's keys, each attend split's chosen keys
     axes = kv_cache.value_axes
@@ -440,10 +443,11 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # axes (bytes one by one had made the aggregation six times slower)
     word = max(w for w in (1, 2, 4, 8) if axes % w == 0) if axes else 1
     _aggregate[(batch, hkv, chunks)](
-        logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt.view(_WORDS[word]), part_tail, digits, hkv, max_keys,
-        logits.stride(0), logits.stride(1), agg.stride(0), agg.stride(1), block_table.stride(0), *vt_strides,
-        GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits, BLOCK_S=triton.next_power_of_2(score_splits),
-        BLOCK=AGGREGATE_KEYS, LEVELS=digits.shape[1], KEY_BITS=8 * agg.element_size(), PAGE_SIZE=page, AXES=axes,
+        logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt.view(_WORDS[word]), part_tail,
+        agg if digits is None else digits, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
+        agg.stride(1), block_table.stride(0), *vt_strides, GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
+        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=AGGREGATE_KEYS,
+        LEVELS=0 if digits is None else digits.shape[1], KEY_BITS=8 * agg.element_size(), PAGE_SIZE=page, AXES=axes,
         WORD=word, num_warps=4)
     chosen = top_k_positions(agg, num_chosen, first_digits=digits)
     # 4. exact attention over them
@@ -452,9 +456,10 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     part_alpha = torch.empty_like(part_lse)
     kc, vc = kv_cache.k, kv_cache.v
     _attend_chosen[(batch, hkv, attend_splits)](
-        q, kc, vc, vt.view(_WORDS[word]), chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha, part_chosen_c,
-        scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0),
-        block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1), *vt_strides,
+        q, kc, vc, vt.view(_WORDS[word]), chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse,
+        part_alpha, part_chosen_c, scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2),
+        kc.stride(0), block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1),
+        *vt_strides,
         GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
         NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, WORD=word, num_warps=attend_warps, num_stages=attend_stages)
     # 5. combine with the mean value (and the values' coordinates)
