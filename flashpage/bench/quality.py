@@ -54,8 +54,8 @@ def perplexity(llm, ids: list[int], window: int) -> float:
 
 
 # (r and value axes per 64 of the head dimension, context / k); "1/8 v": 1/8 of the bytes, a quarter of the r
-# components' bytes spent on the values' coordinates instead (`"value_axes"`)
-SPARQ_BUDGETS = {"1/8": (16, 0, 16), "1/4": (32, 0, 8), "1/8 v": (12, 4, 16)}
+# components' bytes spent on the values' coordinates instead (`"value_axes"`); "1/8 v2": an eighth of them
+SPARQ_BUDGETS = {"1/8": (16, 0, 16), "1/4": (32, 0, 8), "1/8 v": (12, 4, 16), "1/8 v2": (14, 2, 16)}
 
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
