@@ -18,9 +18,9 @@ sum, instead of every key and value:
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
    head.
 With value axes (`v_t`, the values' coordinates along them) the unchosen keys' share goes to their own values
-along those axes: step 3 also sums each head's approximate probability times the coordinates over its keys (one
-8-byte run a key), step 4 the chosen keys' share, and step 5 adds the axes times the difference, less (1 - alpha)
-times the mean value's coordinates.
+along those axes: step 3 also sums each head's approximate probability times the coordinates over its keys (a
+key's M bytes read as whole words), step 4 the chosen keys' share, and step 5 adds the axes times the difference,
+less (1 - alpha) times the mean value's coordinates.
 Decode only: one query per sequence. Steps 1 and 2 see the keys turned by the cache's `sparq_basis` (`k_t` is
 written so) and the queries by its `sparq_query_basis` (`_turn_queries`, first); steps 4 and 5 the keys as they
 are.
@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels import topk
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import interpreting, sm_count
 from flashpage.kernels.quantize import to_e4m3
-from flashpage.kernels import topk
 from flashpage.kernels.topk import count_first_digits, digit_histograms, top_k_positions
 
 _LOG2E = 1.4426950408889634
@@ -442,8 +442,9 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # the aggregation and the attention read a key's coordinates as few whole words as divide them: 8 bytes with 8
     # axes (bytes one by one had made the aggregation six times slower)
     word = max(w for w in (1, 2, 4, 8) if axes % w == 0) if axes else 1
+    vt_words = vt.view(_WORDS[word])
     _aggregate[(batch, hkv, chunks)](
-        logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt.view(_WORDS[word]), part_tail,
+        logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt_words, part_tail,
         agg if digits is None else digits, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
         agg.stride(1), block_table.stride(0), *vt_strides, GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=AGGREGATE_KEYS,
@@ -456,10 +457,9 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     part_alpha = torch.empty_like(part_lse)
     kc, vc = kv_cache.k, kv_cache.v
     _attend_chosen[(batch, hkv, attend_splits)](
-        q, kc, vc, vt.view(_WORDS[word]), chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse,
-        part_alpha, part_chosen_c, scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2),
-        kc.stride(0), block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1),
-        *vt_strides,
+        q, kc, vc, vt_words, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha,
+        part_chosen_c, scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0),
+        block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1), *vt_strides,
         GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
         NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, WORD=word, num_warps=attend_warps, num_stages=attend_stages)
     # 5. combine with the mean value (and the values' coordinates)
