@@ -36,7 +36,7 @@ METHODS = {"sparq": ("r", "k", "prompt", "basis", "value_axes"),
            "block": ("block", "sink", "local", "stride", "density", "sample", "sample_heads")}
 SAMPLE_HEADS = ("all", "one")
 BASES = ("pca", "none")
-MAX_VALUE_AXES = 16  # (the kernels take the axes as one tile of 16 rows in their tensor-core products)
+MAX_VALUE_AXES = 16  # (the exact attention takes the axes as one tile of 16 columns in its tensor-core product)
 
 # The text whose keys give SparQ's bases: the standard library's own source (any CPython 3.11+ has it), not the
 # documentation that `bench quality --sparse` scores, so the measured cost is not that of text seen here.
