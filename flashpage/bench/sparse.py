@@ -12,8 +12,9 @@ bf16, 32 query / 8 KV heads, head dim 128, shuffled blocks, batch 1/8/64 x conte
 out where the cache would not fit). SparQ at two budgets of the dense decode's bytes (K and V): 1/8 (r = 32
 components of one byte in the e4m3 copy: 1/16, k = context / 16 keys and values: 1/16) and 1/4 (r = 64, k = context
 / 8); at block size 16 and 64 (SparQ's default: a component's keys of one block are then 64 contiguous bytes
-instead of 16; there also "1/8 v": r = 24 with the values' coordinates along 8 axes, `"value_axes": 8`, the split
-of 1/8 that kept most of SmolLM2's quality), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
+instead of 16; there also "1/8 v": r = 24 with the values' coordinates along 8 axes, `"value_axes": 8`, and "1/8
+v2": r = 28 with 4 axes, the splits of 1/8 that kept most of SmolLM2's quality, as `bench quality --sparse` names
+them), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
 table: twice the copy's bytes). The
 copy is in an orthonormal basis per KV head, as the engine's default (`"basis": "pca"`), so the queries' turn into
 it is in the time; at 1/8 also without one (the paper's basis, "I" in the table; "strided" reads K as it is, so
@@ -30,6 +31,7 @@ import dataclasses
 import torch
 
 from flashpage.bench.common import median_ms
+from flashpage.bench.quality import SPARQ_BUDGETS
 from flashpage.engine.inputs import block_sparse_view
 from flashpage.kernels import sparq, triton_ops
 from flashpage.kernels.attention import choose_num_splits
@@ -40,9 +42,9 @@ from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
-# name: (r, context / k, value axes); "1/8 v": 1/8 of the bytes with 8 of the r components' bytes spent on the
-# values' coordinates instead (the split that measured best on SmolLM2, head dim 64: r = 12, 4 axes)
-BUDGETS = {"1/8": (32, 16, 0), "1/4": (64, 8, 0), "1/8 v": (24, 16, 8)}
+# name: (r, context / k, value axes) at head dim D: the quality bench's budgets (set per 64 of the head dimension,
+# where "1/8 v" and "1/8 v2" spend a quarter and an eighth of the r components' bytes on the values' coordinates)
+BUDGETS = {name: (r * D // 64, per_k, axes * D // 64) for name, (r, axes, per_k) in SPARQ_BUDGETS.items()}
 
 
 def graph_ms(fn) -> float:
@@ -79,7 +81,9 @@ def sparq_cache(batch: int, context: int, block: int = 16, axes: int = 0) -> tup
 
 
 def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
-    cache, table = sparq_cache(batch, context, block, axes=BUDGETS["1/8 v"][2] if block == 64 else 0)
+    variants = [("1/8", False, True), ("1/8 v", False, True), ("1/8 v2", False, True)] if block == 64 else \
+        [("1/8", False, True), ("1/4", False, True), ("1/8", False, False), ("1/8", True, False)]
+    cache, table = sparq_cache(batch, context, block, axes=max(BUDGETS[name][2] for name, _, _ in variants))
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
@@ -88,20 +92,25 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
     dense_ms = graph_ms(lambda: paged_attention(q, cache, table, cu, lens, 1, num_splits=splits, out=out))
     dense_bytes = 2 * batch * context * HKV * D * 2
     rows = []
-    # (budget, strided, in a basis)
-    variants = [("1/8", False, True), ("1/8 v", False, True)] if block == 64 else \
-        [("1/8", False, True), ("1/4", False, True), ("1/8", False, False), ("1/8", True, False)]
-    for name, strided, turned in variants:
+    for name, strided, turned in variants:  # (budget, strided, in a basis)
         r, k, axes = BUDGETS[name][0], context // BUDGETS[name][1], BUDGETS[name][2]
-        read = cache if turned else dataclasses.replace(cache, sparq_basis=None)
-        if not axes:
-            read = dataclasses.replace(read, v_t=None, sparq_value_axes=None, sparq_value_rms=None)
+        read = with_axes(cache if turned else dataclasses.replace(cache, sparq_basis=None), axes)
         ms = graph_ms(lambda: sparq.sparq_attention(q, read, table, cu, lens, 1, r=r, k=k, out=out, strided=strided))
         rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "block_size": block, "budget": name,
                      "r": r, "k": k, "value_axes": axes, "strided": strided, "basis": turned, "ms": ms, "dense_ms": dense_ms,
                      "speedup_vs_dense": dense_ms / ms, "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
                      "phases_ms": sparq_phases(q, read, table, lens, r, k, strided)})
     return rows
+
+
+def with_axes(cache: KVCache, axes: int) -> KVCache:
+    """The cache with its values' coordinates along its first `axes` axes only (none for 0), stored as a cache
+    built with that many would store them."""
+    if not axes:
+        return dataclasses.replace(cache, v_t=None, sparq_value_axes=None, sparq_value_rms=None)
+    return dataclasses.replace(cache, v_t=cache.v_t[..., :axes].contiguous(),
+                               sparq_value_axes=cache.sparq_value_axes[..., :axes].contiguous(),
+                               sparq_value_rms=cache.sparq_value_rms[..., :axes].contiguous())
 
 
 PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_histogram_kernel": "top-k",
