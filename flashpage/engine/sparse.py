@@ -36,7 +36,7 @@ METHODS = {"sparq": ("r", "k", "prompt", "basis", "value_axes"),
            "block": ("block", "sink", "local", "stride", "density", "sample", "sample_heads")}
 SAMPLE_HEADS = ("all", "one")
 BASES = ("pca", "none")
-MAX_VALUE_AXES = 16  # (the exact attention takes the axes as one tile of 16 columns in its tensor-core product)
+MAX_VALUE_AXES = 16  # (the exact attention keeps a sum per head, chosen key of its tile and axis in registers)
 
 # The text whose keys give SparQ's bases: the standard library's own source (any CPython 3.11+ has it), not the
 # documentation that `bench quality --sparse` scores, so the measured cost is not that of text seen here.

@@ -225,11 +225,14 @@ def _chosen_tile(Chosen, BlockTable, b, h, n_keys, start, hi, stride_xb, stride_
 def _attend_chosen(Q, KCache, VCache, VTWords, Chosen, Logits, Lse, BlockTable, SeqLens, PartOut, PartLse, PartAlpha,
                    PartChosenC, sm_scale_log2, num_kv_heads, num_chosen, stride_qb, stride_qh, stride_ct, stride_ch,
                    stride_cb, stride_bt, stride_lb, stride_lh, stride_xb, stride_xh, stride_vblock, stride_vhead,
-                   stride_vtok, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   AXES: tl.constexpr, BLOCK_A: tl.constexpr, WORD: tl.constexpr, UPCAST: tl.constexpr):
+                   stride_vtok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr, WORD: tl.constexpr,
+                   UPCAST: tl.constexpr):
     """Online softmax over this split's share of the chosen keys; rows are the group's heads. Beside it alpha, the
-    chosen keys' approximate probability, and with AXES their share of the tail (PartChosenC)."""
+    chosen keys' approximate probability, and with AXES their share of the tail (PartChosenC). Those two are
+    summed over keys once, after the loop: each tile only adds its terms to per-key sums (the group's GROUP_PAD
+    rows, not the tensor cores' BLOCK_M), so the loop has no reductions across threads for them."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -241,17 +244,21 @@ def _attend_chosen(Q, KCache, VCache, VTWords, Chosen, Logits, Lse, BlockTable, 
     d_ok = d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
                 other=0.0)
-    lse = tl.load(Lse + b * num_kv_heads * GROUP + heads, mask=g_ok, other=0.0)
+    g_hat = tl.arange(0, GROUP_PAD)
+    g_hat_ok = g_hat < GROUP
+    lse = tl.load(Lse + b * num_kv_heads * GROUP + h * GROUP + g_hat, mask=g_hat_ok, other=0.0)
     tiles = tl.cdiv(num_chosen, BLOCK_N)
     lo = (split * tiles // NUM_SPLITS) * BLOCK_N
     hi = tl.minimum(num_chosen, ((split + 1) * tiles // NUM_SPLITS) * BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    p_hat_sum = tl.zeros([GROUP_PAD, BLOCK_N], dtype=tl.float32)  # per head and key: alpha before its sum
     a = tl.arange(0, BLOCK_A)
     a_ok = a < AXES
-    c_i = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
+    if AXES > 0:  # per head, key and axis: the tail's share before its sum
+        c_sum = tl.zeros([GROUP_PAD, BLOCK_N, BLOCK_A], dtype=tl.float32)
+        w_i = tl.arange(0, BLOCK_A // WORD)  # a key's words (AXES // WORD of them)
     # each tile's chosen places and their blocks are read a tile ahead, so that its keys' and values' loads need
     # not wait for them
     key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, lo, hi, stride_xb, stride_xh, stride_bt,
@@ -260,28 +267,16 @@ def _attend_chosen(Q, KCache, VCache, VTWords, Chosen, Logits, Lse, BlockTable, 
         row = block * stride_cb + (key % PAGE_SIZE) * stride_ct + h * stride_ch
         k = tl.load(KCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(VCache + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-        s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g[:, None],
-                        mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
-        if AXES > 0:  # [BLOCK_N, BLOCK_A]: a key's are one run of AXES bytes, read as words of WORD bytes
+        s_hat = tl.load(Logits + b * stride_lb + h * stride_lh + key[None, :] * GROUP + g_hat[:, None],
+                        mask=g_hat_ok[:, None] & ok[None, :], other=float("-inf"))
+        if AXES > 0:  # a key's coordinates are one run of AXES bytes, read as words of WORD bytes, used last
             words = VTWords + (block * stride_vblock + h * stride_vhead + (key % PAGE_SIZE) * stride_vtok) // WORD
-            c = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
-            for w in tl.static_range(AXES // WORD):
-                word = tl.load(words + w, mask=ok, other=0)
-                in_word = a // WORD == w
-                byte = tl.where(in_word, a - w * WORD, 0)
-                c = tl.where(in_word[None, :], _byte_as_e4m3(word[:, None], byte[None, :]), c)
+            word = tl.load(words[:, None] + w_i[None, :], mask=ok[:, None] & (w_i < AXES // WORD)[None, :], other=0)
         tile_ok = ok
         key, ok, block = _chosen_tile(Chosen, BlockTable, b, h, n_keys, start + BLOCK_N, hi, stride_xb, stride_xh,
                                       stride_bt, BLOCK_N, PAGE_SIZE)
         s = tile_dot(q, tl.trans(k), UPCAST)
         s = tl.where(tile_ok[None, :], s * sm_scale_log2, float("-inf"))
-        p_hat = tl.exp2(s_hat - lse[:, None])
-        alpha += tl.sum(p_hat, 1)
-        if AXES > 0:
-            if q.dtype == tl.float32:
-                c_i += tile_dot(p_hat, c.to(tl.float32), False)
-            else:  # (e4m3 converts to fp16 exactly)
-                c_i += tile_dot(p_hat.to(tl.float16), c.to(tl.float16), False)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -289,14 +284,28 @@ def _attend_chosen(Q, KCache, VCache, VTWords, Chosen, Logits, Lse, BlockTable, 
         l_i = l_i * rescale + tl.sum(p, 1)
         acc = acc * rescale[:, None] + tile_dot(p.to(v.dtype), v, UPCAST)
         m_i = m_new
+        # the approximate probabilities and coordinates, gathered as the tile began, are used only now: their
+        # loads' latency passes under the products
+        p_hat = tl.exp2(s_hat - lse[:, None])
+        p_hat_sum += p_hat
+        if AXES > 0:  # [BLOCK_N, BLOCK_A]
+            c = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+            for w in tl.static_range(AXES // WORD):
+                word_w = tl.sum(tl.where(w_i[None, :] == w, word, 0), 1)
+                in_word = a // WORD == w
+                byte = tl.where(in_word, a - w * WORD, 0)
+                c = tl.where(in_word[None, :], _byte_as_e4m3(word_w[:, None], byte[None, :]), c)
+            c_sum += p_hat[:, :, None] * c[None, :, :]
     part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
     tl.store(PartOut + part[:, None] * HEAD_DIM + d[None, :], acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None],
              mask=g_ok[:, None] & d_ok[None, :])
     tl.store(PartLse + part, tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))),
              mask=g_ok)
-    tl.store(PartAlpha + part, alpha, mask=g_ok)
+    part_hat = (b * num_kv_heads * GROUP + h * GROUP + g_hat) * NUM_SPLITS + split
+    tl.store(PartAlpha + part_hat, tl.sum(p_hat_sum, 1), mask=g_hat_ok)
     if AXES > 0:
-        tl.store(PartChosenC + part[:, None] * AXES + a[None, :], c_i, mask=g_ok[:, None] & a_ok[None, :])
+        tl.store(PartChosenC + part_hat[:, None] * AXES + a[None, :], tl.sum(c_sum, 1),
+                 mask=g_hat_ok[:, None] & a_ok[None, :])
 
 
 @triton.jit
@@ -434,7 +443,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
     # each aggregation program's keys, each attend split's chosen keys
     axes = kv_cache.value_axes
-    tail = dict(AXES=axes, BLOCK_A=max(16, triton.next_power_of_2(axes)))  # (16 columns at least for tensor cores)
+    tail = dict(AXES=axes, BLOCK_A=triton.next_power_of_2(max(axes, 1)))
     vt = kv_cache.v_t if axes else kv_cache.k_t  # (not read without axes)
     vt_strides = vt.stride()[:3]
     part_tail, part_chosen_c = (torch.empty(*shape, max(axes, 1), dtype=f32, device=dev) for shape in
@@ -460,8 +469,9 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         q, kc, vc, vt_words, chosen, logits, lse, block_table, seq_lens_k, part_out, part_lse, part_alpha,
         part_chosen_c, scale, hkv, num_chosen, q.stride(0), q.stride(1), kc.stride(1), kc.stride(2), kc.stride(0),
         block_table.stride(0), logits.stride(0), logits.stride(1), chosen.stride(0), chosen.stride(1), *vt_strides,
-        GROUP=group, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=attend_n,
-        NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, WORD=word, num_warps=attend_warps, num_stages=attend_stages)
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page,
+        BLOCK_N=attend_n, NUM_SPLITS=attend_splits, UPCAST=upcast, **tail, WORD=word, num_warps=attend_warps,
+        num_stages=attend_stages)
     # 5. combine with the mean value (and the values' coordinates)
     combine_d = min(block_d, max(16, 4096 // triton.next_power_of_2(attend_splits)))
     value_axes, value_rms = (kv_cache.sparq_value_axes, kv_cache.sparq_value_rms) if axes else (part_tail,) * 2
