@@ -254,9 +254,9 @@ def _attend_chosen(Q, KCache, VCache, VTWords, Chosen, Logits, Lse, BlockTable, 
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     p_hat_sum = tl.zeros([GROUP_PAD, BLOCK_N], dtype=tl.float32)  # per head and key: alpha before its sum
-    a = tl.arange(0, BLOCK_A)
-    a_ok = a < AXES
     if AXES > 0:  # per head, key and axis: the tail's share before its sum
+        a = tl.arange(0, BLOCK_A)
+        a_ok = a < AXES
         c_sum = tl.zeros([GROUP_PAD, BLOCK_N, BLOCK_A], dtype=tl.float32)
         w_i = tl.arange(0, BLOCK_A // WORD)  # a key's words (AXES // WORD of them)
     # each tile's chosen places and their blocks are read a tile ahead, so that its keys' and values' loads need
