@@ -13,7 +13,8 @@ pieces of the same text) equal float32's.
 keys (`bench.sparse.pattern_for`), the same with key blocks chosen per KV head (`CHOSEN_BLOCKS`, density 25% and
 10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of a 16-bit cache's dense
 decode bytes (r = 1/4 or 1/2 of the head dimension, one byte each in SparQ's e4m3 copy, k = 1/16 or 1/8 of the
-context, every token attended with SparQ as if decoded in turn: `"prompt": true`): perplexity of the second half of a window of each of --contexts tokens; and a
+context, every token attended with SparQ as if decoded in turn: `"prompt": true`): perplexity of the second half of a window of each of --contexts tokens
+(with --windows N, of N consecutive windows from the text's start, their halves' tokens pooled); and a
 retrieval check: a pass key stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at
 the end, answered greedily (`passkey_prompt`; SparQ decodes the answer over a densely prefilled prompt, as served;
 block-sparse prefills the prompt, the answer decoded densely), hits out of 10.
@@ -85,20 +86,23 @@ def fixed_pattern(pattern) -> dict:
 
 def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: int,
                    methods: tuple[str, ...] = ("sparq", "block", "chosen"),
-                   budgets: tuple[str, ...] = tuple(SPARQ_BUDGETS)) -> dict:
+                   budgets: tuple[str, ...] = tuple(SPARQ_BUDGETS), windows: int = 1) -> dict:
     import torch
 
     from flashpage import LLM, SamplingParams
 
     base = LLM(path, dtype="float32", device="cpu")
     dim = base.config.head_dim
-    ids = base.tokenizer.encode(text[:8 * max(contexts)])
+    ids = base.tokenizer.encode(text[:8 * max(contexts) * windows])
 
     def tail_perplexity(llm, n):
+        """Over the second halves of `windows` consecutive windows of n tokens from the text's start, pooled."""
         n = min(n, llm.config.max_position_embeddings - 1)  # (and one token to generate)
-        out = llm.generate([{"prompt_token_ids": ids[:n]}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                           use_tqdm=False)[0]
-        lps = [next(iter(pos.values())).logprob for pos in out.prompt_logprobs[1:]][n // 2:]
+        if len(ids) < n * windows:
+            raise ValueError(f"the text holds {len(ids)} tokens, fewer than {windows} windows of {n}")
+        outs = llm.generate([{"prompt_token_ids": ids[i * n:(i + 1) * n]} for i in range(windows)],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        lps = [next(iter(pos.values())).logprob for o in outs for pos in o.prompt_logprobs[1:][n // 2:]]
         return math.exp(-sum(lps) / len(lps))
 
     keys = [str(random.Random(i).randrange(10_000, 100_000)) for i in range(10)]
@@ -110,7 +114,7 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         return sum(key in o.outputs[0].text for key, o in zip(keys, outs))
 
     dense = {n: tail_perplexity(base, n) for n in contexts}
-    result = {"contexts": contexts, "dense_perplexity": dense, "dense_retrieval_hits": hits(base), "rows": []}
+    result = {"contexts": contexts, "windows": windows, "dense_perplexity": dense, "dense_retrieval_hits": hits(base), "rows": []}
     print(f"{'mode':24s} " + " ".join(f"{f'ppl @{n}':>14s}" for n in contexts) + "  retrieval (of 10)")
     print(f"{'dense':24s} " + " ".join(f"{dense[n]:14.3f}" for n in contexts) + f"  {result['dense_retrieval_hits']}")
     for density in (0.25, 0.10) if "block" in methods else ():
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code-tokens", type=int, default=0, help="also perplexity over this many tokens of source code")
     p.add_argument("--sparse", action="store_true", help="SparQ attention's cost instead of the quantized modes'")
     p.add_argument("--contexts", default="1024,2048,4096,8192", help="--sparse: window sizes, comma-separated")
+    p.add_argument("--windows", type=int, default=1,
+                   help="--sparse: perplexity over this many consecutive windows of each context, pooled")
     p.add_argument("--retrieval-tokens", type=int, default=2000, help="--sparse: the retrieval prompts' length")
     p.add_argument("--methods", default="block,chosen,sparq", help="--sparse: which methods, comma-separated")
     p.add_argument("--budgets", default=",".join(SPARQ_BUDGETS), help="--sparse: SparQ's budgets, comma-separated")
@@ -181,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if set(args.budgets.split(",")) - set(SPARQ_BUDGETS):
         p.error(f"--budgets: each one of {', '.join(SPARQ_BUDGETS)}")
+    if args.windows < 1:
+        p.error("--windows: at least 1")
     from pydoc_data.topics import topics
 
     from flashpage import LLM, SamplingParams
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n\n".join(topics[k] for k in sorted(topics))
     if args.sparse:
         result = sparse_quality(path, text, [int(n) for n in args.contexts.split(",")], args.retrieval_tokens,
-                                tuple(args.methods.split(",")), tuple(args.budgets.split(",")))
+                                tuple(args.methods.split(",")), tuple(args.budgets.split(",")), args.windows)
         if args.out:
             args.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), **result}, indent=2))
         return 0
