@@ -205,9 +205,11 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
         rows = (b * num_kv_heads * GROUP + heads) * tl.num_programs(2) + chunk
         for w in tl.static_range(AXES // WORD):  # a key's coordinates as words of WORD bytes: loads a key apart
             word = tl.load(words + w, mask=ok, other=0)
+            # [heads, keys] as p is laid out: the word moves between the load's layout and p's once, not each byte
+            word = tl.where(g_ok[:, None], word[None, :], 0)
             for j in tl.static_range(WORD):  # each axis: the heads' sums over this program's keys
                 c = _byte_as_e4m3(word, j)
-                tl.store(PartTail + rows * AXES + w * WORD + j, tl.sum(p * c[None, :], 1), mask=g_ok)
+                tl.store(PartTail + rows * AXES + w * WORD + j, tl.sum(p * c, 1), mask=g_ok)
 
 
 @triton.jit
