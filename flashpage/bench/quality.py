@@ -13,11 +13,12 @@ pieces of the same text) equal float32's.
 keys (`bench.sparse.pattern_for`), the same with key blocks chosen per KV head (`CHOSEN_BLOCKS`, density 25% and
 10%, each sampled query in all its group's heads or in one), and SparQ at 1/8 and 1/4 of a 16-bit cache's dense
 decode bytes (r = 1/4 or 1/2 of the head dimension, one byte each in SparQ's e4m3 copy, k = 1/16 or 1/8 of the
-context, every token attended with SparQ as if decoded in turn: `"prompt": true`): perplexity of the second half of a window of each of --contexts tokens
-(with --windows N, of N consecutive windows from the text's start, their halves' tokens pooled); and a
-retrieval check: a pass key stated a quarter of the way into about --retrieval-tokens tokens of filler, asked for at
-the end, answered greedily (`passkey_prompt`; SparQ decodes the answer over a densely prefilled prompt, as served;
-block-sparse prefills the prompt, the answer decoded densely), hits out of 10.
+context, every token attended with SparQ as if decoded in turn: `"prompt": true`): perplexity of the second half
+of a window of each of --contexts tokens (with --windows N, of N consecutive windows from the text's start, their
+halves' tokens pooled); and a retrieval check: a pass key stated a quarter of the way into about
+--retrieval-tokens tokens of filler, asked for at the end, answered greedily (`passkey_prompt`; SparQ decodes the
+answer over a densely prefilled prompt, as served; block-sparse prefills the prompt, the answer decoded densely),
+hits out of 10.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
         return sum(key in o.outputs[0].text for key, o in zip(keys, outs))
 
     dense = {n: tail_perplexity(base, n) for n in contexts}
-    result = {"contexts": contexts, "windows": windows, "dense_perplexity": dense, "dense_retrieval_hits": hits(base), "rows": []}
+    result = {"contexts": contexts, "windows": windows, "dense_perplexity": dense, "dense_retrieval_hits": hits(base),
+              "rows": []}
     print(f"{'mode':24s} " + " ".join(f"{f'ppl @{n}':>14s}" for n in contexts) + "  retrieval (of 10)")
     print(f"{'dense':24s} " + " ".join(f"{dense[n]:14.3f}" for n in contexts) + f"  {result['dense_retrieval_hits']}")
     for density in (0.25, 0.10) if "block" in methods else ():
