@@ -5,7 +5,7 @@ that kernel takes it). A program owns BLOCK_M *rows* of one sequence and one KV 
 (query token, query head of that KV head's group) pair, so each K/V tile is loaded once for the whole GQA group
 (decode programs take several sequences in turn when one program each would not fit in one wave).
 It walks the sequence's keys in BLOCK_N tiles (contiguous, or through the block table when PAGED; paged decode on
-Hopper fetches each page-sized tile with the tensor copy engine, TMA, instead of a gather) with the
+Hopper fetches each tile, 16 keys of one page, with the tensor copy engine, TMA, instead of a gather) with the
 online softmax (running max m, running sum l, rescaled accumulator), in base 2. With NUM_SPLITS > 1 the key
 range is cut into that many pieces handled by separate programs (Flash-Decoding); each writes its normalised
 partial output and its log-sum-exp, and `_merge_splits` combines them.
@@ -391,8 +391,8 @@ def _check(q, k_or_cache, v_or_cache, window_size):
 def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape; chosen by sweeps (bench --sweep) on an H200, and
     on an H100 for the copy-engine decode."""
-    if max_seqlen_q * group <= 16 and tma:  # decode through the copy engine: a tile is at most one page
-        return 16, min(page, 64 if head_dim <= 128 else 32), 1, 5
+    if max_seqlen_q * group <= 16 and tma:  # decode through the copy engine: 16 keys a tile, whatever the page
+        return 16, 16, 1, 5  # (a tile of a whole page of 32 or 64 keys was 4-40% slower: docs/kernel-notes.md)
     if max_seqlen_q * group <= 16:  # gathered decode (pages of 8 keys, GPUs before Hopper): few rows, stream keys
         return 16, 64 if head_dim <= 128 else 32, 4, 2
     if head_dim <= 128:
