@@ -204,6 +204,32 @@ def test_paged_decode_ignores_slots_past_each_sequence(page, splits):
     assert rel_err(out, expected) < TOL[torch.bfloat16]
 
 
+def plant_jumps(k_cache, table, q, jumps, page):
+    """Make key `pos` of sequence `seq` score about `score` (softmax units) with each of its KV head's queries, far
+    above the keys before it (random ones score about 3 at most): for each (seq, pos, score) of `jumps`."""
+    hkv, dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // hkv
+    for seq, pos, score in jumps:
+        for h in range(hkv):
+            queries = q[seq, h * group:(h + 1) * group].float()
+            u = queries.mean(0) / queries.mean(0).norm()
+            k_cache[table[seq, pos // page], pos % page, h] = (u * score * dim**0.5 / (queries @ u).mean()).to(k_cache.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_scores_that_jump(dtype, splits):
+    """Keys far above every key before them, past a split's first tile: the decode's running maximum jumps, and
+    its sums must be rescaled for every row."""
+    k_cache, v_cache, table, seq_lens, cu_q = paged_case([300, 200], [1, 1], 16, 2, 64, dtype)
+    q = rand(2, 8, 64, dtype=dtype)
+    plant_jumps(k_cache, table, q, [(0, 250, 10.0), (0, 280, 14.0), (1, 120, 9.0)], 16)
+    out = tri.paged_attention(q, KVCache(k_cache, v_cache), table, cu_q, seq_lens, 1, num_splits=splits,
+                              out=nan_like(q))
+    expected = ref.paged_attention(q.double(), KVCache(k_cache.double(), v_cache.double()), table, cu_q, seq_lens, 1)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_decode_programs_take_turns_over_sequences(monkeypatch, splits):
     """When one program per (sequence, KV head, split) would not all run at once, each program takes every n-th

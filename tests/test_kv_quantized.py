@@ -19,7 +19,7 @@ from flashpage.kernels.fp8 import FP8
 from flashpage.kv import KVCache
 from test_engine import run
 from test_fp8 import interpreter_e4m3_agrees
-from test_kernels import PAGED_CASES, TOL, nan_like, paged_case, rand
+from test_kernels import PAGED_CASES, TOL, nan_like, paged_case, plant_jumps, rand
 
 DTYPES = {"fp8": FP8, "int8": torch.int8}
 
@@ -73,6 +73,24 @@ def test_paged_attention_reads_a_quantized_cache(kind, lens_k, lens_q, page, hq,
         got = cpu.paged_attention(q.float().cpu(), host, table.cpu(), cu_q.cpu(), seq_lens.cpu(), 1,
                                   window_size=window)
         assert rel_err(got, expected.cpu()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", DTYPES)
+def test_quantized_decode_scores_that_jump(kind):
+    """As test_kernels' test_paged_decode_scores_that_jump, over an 8-bit cache: its copy-engine decode holds the
+    even and the odd columns' sums apart, and both must be rescaled."""
+    k, v, table, seq_lens, cu_q = paged_case([300, 200], [1, 1], 16, 2, 64, torch.float32)
+    q = rand(2, 8, 64, dtype=torch.bfloat16)
+    plant_jumps(k, table, q, [(0, 250, 10.0), (0, 280, 14.0), (1, 120, 9.0)], 16)
+    shape = k.shape
+    scales = ([torch.full((2,), 0.02, device=DEVICE)] * 2 if kind == "fp8" else
+              [torch.empty(shape[0], 2, 16, device=DEVICE) for _ in range(2)])
+    cache = KVCache(*(torch.empty(shape, dtype=DTYPES[kind], device=DEVICE) for _ in range(2)), *scales)
+    ref.reshape_and_cache(k.flatten(0, 1), v.flatten(0, 1), cache, torch.arange(shape[0] * 16, device=DEVICE))
+    for splits in (1, 3):
+        out = tri.paged_attention(q, cache, table, cu_q, seq_lens, 1, num_splits=splits, out=nan_like(q))
+        expected = ref.paged_attention(q.double(), dequantized(cache), table, cu_q, seq_lens, 1)
+        assert rel_err(out, expected) < TOL[torch.bfloat16], splits
 
 
 def test_fp8_cache_clamps_queries_to_fp16():
