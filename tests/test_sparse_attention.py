@@ -210,6 +210,10 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         monkeypatch.setattr(topk, "CHUNK", 64)
         monkeypatch.setattr(sparq, "AGGREGATE_KEYS", 32)  # the tail summed over many programs, added 4 at a time
         monkeypatch.setattr(sparq, "TAIL_ROWS", 4)
+        # the select's histograms come unzeroed (poisoned here): the scores kernel zeroes them
+        unzeroed = sparq.digit_histograms
+        monkeypatch.setattr(sparq, "digit_histograms", lambda values, zeroed=True: unzeroed(values, zeroed).fill_(
+            0 if zeroed else 12345))
     check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes))
     cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis, axes)
     cache.sparq_query_basis = query_basis

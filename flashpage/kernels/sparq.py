@@ -7,7 +7,7 @@ sum, instead of every key and value:
    group (`tl.topk`, in every program: 128 values),
 2. and those components of every key, from the component-major copy `k_t` (e4m3: one run of block_size bytes
    per component and page, 64 by default with SparQ), give each head's approximate scores (kept, a key's heads
-   side by side) and, per split of the keys, their running max and sum;
+   side by side) and, per split of the keys, their running max and sum (and zero the select's histograms);
 3. `_aggregate`: each key's approximate probability summed over the group's heads, and the first digits of the
    top-k's radix select counted as they are written; `top_k_positions` (`kernels/topk.py`) picks k keys. For a
    16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and three 5-bit digits for
@@ -83,19 +83,26 @@ def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE
 
 
 @triton.jit
-def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, sm_scale_log2, num_kv_heads, stride_qb,
-                        stride_qh, stride_bt, stride_lb, stride_lh, stride_block, stride_head, stride_comp,
+def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, Digits, sm_scale_log2, num_kv_heads,
+                        stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block, stride_head, stride_comp,
                         stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr,
                         BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, DIGIT_CELLS: tl.constexpr, BLOCK_DC: tl.constexpr):
     """Tiles of BLOCK_N keys by the group's heads (the keys are the product's rows, so the scores come out as
     Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
     tensor cores compute beyond it). KT is the component-major copy (stride_tok 1), or the cache's K itself
-    (strided reads, for comparison)."""
+    (strided reads, for comparison). Each (sequence, KV head)'s first split also zeroes its row of the select's
+    histograms (DIGIT_CELLS of them; 0: none), which the aggregation fills next: a launch of its own cost more
+    than the store."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
+    if DIGIT_CELLS > 0:
+        if split == 0:
+            c = tl.arange(0, BLOCK_DC)
+            tl.store(Digits + (b * num_kv_heads + h) * DIGIT_CELLS + c, tl.zeros([BLOCK_DC], dtype=tl.int32),
+                     mask=c < DIGIT_CELLS)
     n_keys = tl.load(SeqLens + b)
     g = tl.arange(0, GROUP_PAD)
     g_ok = g < GROUP
@@ -430,18 +437,21 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
                                     GROUP_PAD=max(16, group_pad), HEAD_DIM=dim, BLOCK_D=block_d, UPCAST=upcast)
     # (block, head, component, token) strides of the keys read
     key_strides = (keys.stride(0), keys.stride(2), keys.stride(3), keys.stride(1)) if strided else keys.stride()
+    # each key's summed probability (step 3), and the histograms of the select that takes the k most likely keys;
+    # rows the select holds in registers need none (`topk.MAX_ROW`)
+    agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
+    digits = digit_histograms(agg, zeroed=False) if max_keys > topk.MAX_ROW else None
+    digit_cells = 0 if digits is None else digits[0].numel()
     _approximate_scores[(batch, hkv, score_splits)](
-        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, scale, hkv, q_basis.stride(0),
-        q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides, GROUP=group,
-        GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16), HEAD_DIM=dim, BLOCK_D=block_d,
-        PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast, num_warps=score_warps,
+        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits, scale,
+        hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
+        *key_strides, GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
+        HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
+        DIGIT_CELLS=digit_cells, BLOCK_DC=triton.next_power_of_2(max(digit_cells, 1)), num_warps=score_warps,
         num_stages=score_stages)
     # 3. each key's summed probability; the k most likely keys
-    agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
     chunks = triton.cdiv(max_keys, AGGREGATE_KEYS)
-    # rows the select holds in registers need no digits (`topk.MAX_ROW`)
-    digits = digit_histograms(agg) if max_keys > topk.MAX_ROW else None
     # the values' coordinates (with value axes: what the unchosen keys' share is made of), and their sums: over
     # each aggregation program's keys, each attend split's chosen keys
     axes = kv_cache.value_axes

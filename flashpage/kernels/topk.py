@@ -157,11 +157,12 @@ def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fil
         tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
-def digit_histograms(values: torch.Tensor) -> torch.Tensor:
-    """Zeroed histograms for `top_k_positions(values, ..., first_digits=)`: [rows, levels, bins]."""
+def digit_histograms(values: torch.Tensor, zeroed: bool = True) -> torch.Tensor:
+    """Histograms for `top_k_positions(values, ..., first_digits=)`: [rows, levels, bins], zeroed, or with
+    zeroed=False left for a kernel that runs before them to zero."""
     rows = values[..., 0].numel()
-    return torch.zeros(rows, _levels(8 * values.element_size()), 2**RADIX_BITS, dtype=torch.int32,
-                       device=values.device)
+    return (torch.zeros if zeroed else torch.empty)(rows, _levels(8 * values.element_size()), 2**RADIX_BITS,
+                                                    dtype=torch.int32, device=values.device)
 
 
 def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int = 0,
