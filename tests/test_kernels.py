@@ -213,7 +213,8 @@ def plant_jumps(k_cache, table, q, jumps, page):
         for h in range(hkv):
             queries = q[seq, h * group:(h + 1) * group].float()
             u = queries.mean(0) / queries.mean(0).norm()
-            k_cache[table[seq, pos // page], pos % page, h] = (u * score * dim**0.5 / (queries @ u).mean()).to(k_cache.dtype)
+            key = u * score * dim**0.5 / (queries @ u).mean()
+            k_cache[table[seq, pos // page], pos % page, h] = key.to(k_cache.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -21,7 +21,8 @@ it is in the time; at 1/8 also without one (the paper's basis, "I" in the table;
 in the paper's basis too). Each is timed as a CUDA
 graph (as the engine runs decode), after warm-up, median of many replays, against the dense decode over the same
 cache; the table also gives the time of SparQ's phases (approximate scores, aggregation, the keys' top-k, exact
-attention, combine; "torch": whatever else runs, torch's fills) from eager runs under the profiler.
+attention, combine, the queries' turn into the basis; "torch": whatever else runs) from eager runs under the
+profiler.
 """
 
 from __future__ import annotations
@@ -114,12 +115,13 @@ def with_axes(cache: KVCache, axes: int) -> KVCache:
 
 
 PHASES = {"_approximate_scores": "scores", "_aggregate": "aggregate", "_histogram_kernel": "top-k",
-          "_count_kernel": "top-k", "_write_kernel": "top-k", "_attend_chosen": "attend", "_combine": "combine"}
+          "_count_kernel": "top-k", "_write_kernel": "top-k", "_attend_chosen": "attend", "_combine": "combine",
+          "_turn_queries": "turn"}
 
 
 def sparq_phases(q, cache, table, lens, r, k, strided=False) -> dict[str, float]:
     """GPU time per phase of one eager SparQ step (median of 5, by the profiler's kernel names): its own kernels,
-    and torch's (the top-k's histograms' zeroing) as "torch"."""
+    and any other (torch's own) as "torch"."""
     cu = torch.arange(q.shape[0] + 1, device="cuda", dtype=torch.int32)
     runs = []
     for _ in range(5):

@@ -392,7 +392,7 @@ def _tiles(head_dim: int, max_seqlen_q: int, group: int, tma: bool, page: int) -
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this shape; chosen by sweeps (bench --sweep) on an H200, and
     on an H100 for the copy-engine decode."""
     if max_seqlen_q * group <= 16 and tma:  # decode through the copy engine: 16 keys a tile, whatever the page
-        return 16, 16, 1, 5  # (a tile of a whole page of 32 or 64 keys was 4-40% slower: docs/kernel-notes.md)
+        return 16, 16, 1, 5  # (a tile of a whole page of 32 or 64 keys was up to 36% slower: docs/kernel-notes.md)
     if max_seqlen_q * group <= 16:  # gathered decode (pages of 8 keys, GPUs before Hopper): few rows, stream keys
         return 16, 64 if head_dim <= 128 else 32, 4, 2
     if head_dim <= 128:
