@@ -6,7 +6,7 @@ building and uploading the step's inputs, sampling's bookkeeping, reading the to
 requests. `--num-seqs` requests of `--input-len` random tokens are prefilled, then `--steps` decode steps of all of
 them are timed, each part separately (medians). On a GPU a decode step that takes less time than this leaves the
 device idle between steps (docs/kernel-notes.md, "Garbage collection in the offline run"). `--profile` adds the
-functions that take the most time (cProfile); `--out` writes JSON.
+functions that take the most time (cProfile); `--out` writes JSON (the medians, and each step's parts).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     decoding = len(engine.scheduler.running)
     result = {"model": args.model, "num_seqs": args.num_seqs, "decoding": decoding, "input_len": args.input_len,
               "steps": args.steps, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"),
-              **{f"{part}_ms": statistics.median(v) for part, v in parts.items()}}
+              **{f"{part}_ms": statistics.median(v) for part, v in parts.items()}, "per_step_ms": parts}
     print(f"host work per decode step of {decoding} sequences ({args.model}, {args.input_len}-token "
           f"prompts{', profiled' if profiler else ''}), median of {args.steps}: {result['step_ms']:.2f} ms "
           f"(schedule {result['schedule_ms']:.2f}, launch {result['launch_ms']:.2f}, read-back "
