@@ -126,6 +126,7 @@ CASES = [
     ([150], 6, 2, 80, 16, 10, 32, (2, 2), 3),  # head dim 80; three axes (padded)
     ([260, 33], 8, 1, 128, 32, 16, 64, None, 0),  # MQA, large pages
     ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2), 1),  # pages of 64: a tile of the scores is one page
+    ([300, 129], 4, 2, 64, 128, 8, 24, (2, 2), 2),  # pages of 128: a tile of the scores is one page of 128
     ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64), 8),  # more attention splits than tiles; the combine in
     # 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
 ]
@@ -585,14 +586,15 @@ def _first_digits_kernel(Values, Hist, n, LEVELS: tl.constexpr, KEY_BITS: tl.con
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1, 1), (700, 0), (3000, 37), (2049, 2049), (300, 500)])
 def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
-    """Both Triton selects (a row in registers; chunked, here in chunks of 256, a radix select over histograms,
-    also with its first digits counted by another kernel) against the reference: the same positions, first ones
-    taken among equal values, in position order, the slots past k filled; and the reference's values are
+    """Both Triton selects (a row in registers; chunked, here in chunks of 256 (128 on a GPU), a radix select over
+    histograms, also with its first digits counted by another kernel) against the reference: the same positions,
+    first ones taken among equal values, in position order, the slots past k filled; and the reference's values are
     torch.topk's. Rows hold values past a sequence's end (-1, -inf), ties, zeros, values from 0 to 3 (the first
     digit of a float32 changes at 2), and a row below zero throughout; k per row too."""
-    if chunked:
+    if chunked:  # (on a GPU these few rows take the short chunks)
         monkeypatch.setattr(topk, "MAX_ROW", 0)
         monkeypatch.setattr(topk, "CHUNK", 256)
+        monkeypatch.setattr(topk, "SHORT_CHUNK", 128)
     torch.manual_seed(n + k)
     values = torch.rand(3, 2, n, device=DEVICE).to(dtype)
     values[0, 0, n // 2:] = -1.0

@@ -5,7 +5,8 @@
   the bits found so far plus this one still k or more?), then writes the positions of the values above it and of
   the first values equal to it, as many as k still needs. 4,096 rows of 512 on an H200: 23 µs, where torch's
   top-k, a where and a sort took 206 µs;
-- longer rows (SparQ's keys) are cut into chunks of CHUNK, a program each, in a radix select RADIX_BITS bits at
+- longer rows (SparQ's keys) are cut into chunks of CHUNK (SHORT_CHUNK where that would leave SMs without a
+  program), a program each, in a radix select RADIX_BITS bits at
   a time: one launch per digit counts, in a histogram of 2 ** RADIX_BITS bins per row, that digit of the values
   that share the digits found so far, the last one also keeping each chunk's own counts; from those the last
   launch knows how many values above the k-th largest and equal to it the chunks before its own hold, and writes
@@ -21,8 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from flashpage.kernels.device import sm_count
+
 MAX_ROW = 4096  # longest row held in registers by one program
 CHUNK = 4096  # values per program in rows longer than that
+# ... where CHUNK gives fewer programs than the GPU has SMs (SparQ at batch 1 and 32k: 8 rows of 8 chunks): SparQ's
+# step 41 µs instead of 45 there; where CHUNK fills the SMs, smaller chunks were as fast or slower
+# (docs/kernel-notes.md)
+SHORT_CHUNK = 1024
 # bits per digit: tl.histogram's cost grows with its bins (a ballot per bit, a popcount per bin a lane holds),
 # and 32 bins, one a lane, cost a sixth of 256 (docs/kernel-notes.md)
 RADIX_BITS = 5
@@ -184,7 +191,11 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
     if rows.shape[0] == 0 or width == 0:
         pass
     elif n > MAX_ROW:
-        grid = (rows.shape[0], triton.cdiv(n, CHUNK))
+        chunk = CHUNK
+        if values.is_cuda and rows.shape[0] * triton.cdiv(n, CHUNK) < sm_count(
+                values.device.index if values.device.index is not None else torch.cuda.current_device()):
+            chunk = min(CHUNK, SHORT_CHUNK)
+        grid = (rows.shape[0], triton.cdiv(n, chunk))
         levels = _levels(key_bits)
         hist = digit_histograms(values) if first_digits is None else first_digits
         chunk_hist = torch.empty(*grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
@@ -192,9 +203,9 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
         scalar_k = 0 if per_row else k
         for level in range(0 if first_digits is None else 1, levels):
             _histogram_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, scalar_k, n, rows.stride(0), LEVEL=level,
-                                    LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK, num_warps=4)
+                                    LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=chunk, num_warps=4)
         _write_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, out, scalar_k, n, width, fill, rows.stride(0),
-                            out.stride(0), LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=CHUNK,
+                            out.stride(0), LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=chunk,
                             BLOCK_C=triton.next_power_of_2(grid[1]), BLOCK_W=triton.next_power_of_2(width), num_warps=4)
     else:
         block = triton.next_power_of_2(max(n, 16))
