@@ -382,13 +382,15 @@ def _basis(basis: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return None if basis is None else basis.to(dtype).contiguous()
 
 
-def _splits(batch: int, kv_heads: int, work: int, device: torch.device) -> int:
-    """Programs per (sequence, KV head): about sixteen per SM over the grid (measured on an H100), each with one
-    of `work` tiles at least."""
+def _splits(batch: int, kv_heads: int, work: int, device: torch.device, per_sm: int) -> int:
+    """Programs per (sequence, KV head): about `per_sm` per SM over the grid, each with one of `work` tiles at
+    least. The scores' one-warp programs take sixteen (measured on an H100); the exact attention's, of four warps
+    with two stages of 64 keys, four: with sixteen they had one or two tiles each, and at 8 x 32k the step took 115
+    µs against 109 (docs/kernel-notes.md)."""
     if device.type != "cuda":
         return 1
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(round(16 * sms / max(batch * kv_heads, 1)), work, 128))
+    return max(1, min(round(per_sm * sms / max(batch * kv_heads, 1)), work, 128))
 
 
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
@@ -414,8 +416,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     block_n, score_warps, score_stages, attend_n, attend_warps, attend_stages = tiles or (64, 1, 1, 64, 4, 2)
     block_n = max(block_n, page)
     score_splits, attend_splits = num_splits or (
-        _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device),
-        _splits(batch, hkv, triton.cdiv(num_chosen, attend_n), q.device))
+        _splits(batch, hkv, triton.cdiv(max_keys, block_n), q.device, per_sm=16),
+        _splits(batch, hkv, triton.cdiv(num_chosen, attend_n), q.device, per_sm=4))
     dev, f32 = q.device, torch.float32
     # 1, 2. the components (chosen in the kernel) and the approximate scores
     r = min(r, dim)
