@@ -108,6 +108,9 @@ def main() -> None:
             tri.top_k_positions(values, 5)
             tri.top_k_positions(values, torch.full((3,), 4), 6, 50, torch.int64)
             tri.top_k_positions(values.repeat(1, 100), 300)  # (rows past MAX_ROW: the chunked select)
+            chunk, topk.CHUNK = topk.CHUNK, topk.SHORT_CHUNK  # (its chunks where rows are few on a GPU)
+            tri.top_k_positions(values.repeat(1, 100), 300)
+            topk.CHUNK = chunk
         # SparQ decode (4 and 3 query heads per KV head; r under 16 and over; the paper's basis and another; 4 value
         # axes) and its cache extras (the copy in e4m3)
         k_t = cache.permute(0, 2, 3, 1).contiguous().to(torch.float8_e4m3fn)
