@@ -205,7 +205,7 @@ def test_sampling_chunk_classes_are_one_batch_per_kernel_variant(monkeypatch):
     """On an H100 (132 SMs) `sample` cuts a row into 64, 32, ... 2 pieces as the batch grows; a warm-up samples
     the smallest batch of each."""
     from flashpage.kernels import sampling
-    monkeypatch.setattr(sampling, "sm_count", lambda index: 132)
+    monkeypatch.setattr(sampling, "sm_count", lambda device: 132)
     cuda = torch.device("cuda")
     classes = sampling.chunk_classes(49152, cuda, 256)
     assert classes == [1, 9, 17, 33, 66, 132]

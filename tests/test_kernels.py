@@ -250,7 +250,7 @@ def test_paged_decode_programs_take_turns_over_sequences(monkeypatch, splits):
 def test_choose_num_splits_fills_each_sm_with_four_programs(monkeypatch):
     from flashpage.kernels import attention
 
-    monkeypatch.setattr(attention, "sm_count", lambda index: 132)  # an H100
+    monkeypatch.setattr(attention, "sm_count", lambda device: 132)  # an H100
     gpu = torch.device("cuda", 0)
     assert attention.choose_num_splits(1, 8, 1, 32768, gpu) == 66  # 528 programs: four on each SM
     assert attention.choose_num_splits(8, 8, 1, 8192, gpu) == 8

@@ -561,7 +561,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_q: int, max_seqlen_k
     an H100, docs/kernel-notes.md)."""
     if max_seqlen_q > 1 or device.type != "cuda":
         return 1
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     per_sm = 8 if cache_bytes == 1 else 4
     return max(1, min(round(per_sm * sms / max(batch * kv_heads, 1)), max_seqlen_k // 32, 128))
 
@@ -573,4 +573,4 @@ def _programs_per_wave(device: torch.device) -> int:
     per SM. Unbounded for CPU tensors: the interpreter runs programs in turn."""
     if device.type != "cuda":
         return 1 << 30
-    return 8 * sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 8 * sm_count(device)

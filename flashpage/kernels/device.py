@@ -8,9 +8,14 @@ import os
 import torch
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a device without an index: the current one)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.lru_cache
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the query is slow)."""
+def _sm_count(device_index: int) -> int:
+    """(cached: the query is slow)"""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -782,7 +782,7 @@ def prefill(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_table, m
     # work items of 128 rows (every tile set's BLOCK_M) per SM, counted as if the query rows were packed: a lower
     # bound on the items that have rows, as a mixed step's decoding sequences would inflate max_seqlen_q * batch
     # (CPU tensors: the compile-only check)
-    sms = sm_count(q.device.index or 0) if q.is_cuda else 132
+    sms = sm_count(q.device) if q.is_cuda else 132
     items_per_sm = triton.cdiv(total_q * (hq // hkv), 128) * hkv / sms
     # (over an FP8 cache, whose persistent tiles are of 64 keys, the rule's first part only: its programs measured
     # 6-12% slower persistent at 1,024-1,536 keys)

@@ -379,7 +379,7 @@ def num_chunks(batch: int, vocab: int, device: torch.device, asked: int | None =
     programs on large ones): a power of two, at most 64 and at most the row's tiles. Each count compiles its own
     kernels (it is a constexpr)."""
     if asked is None and device.type == "cuda":
-        asked = triton.cdiv(2 * sm_count(device.index or 0), batch)
+        asked = triton.cdiv(2 * sm_count(device), batch)
     elif asked is None:
         asked = 2 if batch <= 16 else 1
     return min(triton.next_power_of_2(asked), 64, triton.next_power_of_2(triton.cdiv(vocab, _block(vocab))))

@@ -389,7 +389,7 @@ def _splits(batch: int, kv_heads: int, work: int, device: torch.device, per_sm: 
     µs against 109 (docs/kernel-notes.md)."""
     if device.type != "cuda":
         return 1
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     return max(1, min(round(per_sm * sms / max(batch * kv_heads, 1)), work, 128))
 
 

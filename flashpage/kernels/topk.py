@@ -192,8 +192,7 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
         pass
     elif n > MAX_ROW:
         chunk = CHUNK
-        if values.is_cuda and rows.shape[0] * triton.cdiv(n, CHUNK) < sm_count(
-                values.device.index if values.device.index is not None else torch.cuda.current_device()):
+        if values.is_cuda and rows.shape[0] * triton.cdiv(n, CHUNK) < sm_count(values.device):
             chunk = min(CHUNK, SHORT_CHUNK)
         grid = (rows.shape[0], triton.cdiv(n, chunk))
         levels = _levels(key_bits)
