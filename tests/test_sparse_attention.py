@@ -27,12 +27,12 @@ from test_engine import run
 from test_kernels import TOL, paged_case
 
 
-def sparq_by_the_paper(q, keys, values, r, k, scale, basis=None, query_basis=None):
+def sparq_by_the_paper(q, keys, values, r, k, scale, basis=None, query_basis=None, recent=0):
     """One query [Hq, D] over keys/values [L, Hkv, D], float64, head by head as Algorithm 1 of the paper reads,
     the group sharing components (|q| summed) and keys (approximate probabilities summed); with `basis` [Hkv, D,
     D], the components of q and the keys in it (their columns) for the approximate scores; with `query_basis` too,
     q's in that one instead. The keys' components that approximate the scores are rounded to e4m3 (saturated at
-    +-448), as SparQ's copy of the keys holds them."""
+    +-448), as SparQ's copy of the keys holds them. `recent`: the last so many keys chosen first."""
     hq, hkv = q.shape[0], keys.shape[1]
     group, length = hq // hkv, keys.shape[0]
     out = torch.empty_like(q)
@@ -47,7 +47,9 @@ def sparq_by_the_paper(q, keys, values, r, k, scale, basis=None, query_basis=Non
             temp = scale / (qt[comp].abs().sum() / qt.abs().sum()).sqrt()
             stored = (keys[:, h] @ turn).clamp(-448, 448).to(torch.float8_e4m3fn).to(q.dtype)
             probs.append(torch.softmax(stored[:, comp] @ qt[comp] * temp, 0))
-        chosen = torch.stack(probs).sum(0).topk(min(k, length)).indices
+        ranks = torch.stack(probs).sum(0)
+        ranks[length - min(recent, length):] = float("inf")
+        chosen = ranks.topk(min(k, length)).indices
         for g, qh in enumerate(qs):
             alpha = probs[g][chosen].sum() if length > k else 1.0
             exact = torch.softmax(keys[chosen, h] @ qh * scale, 0) @ values[chosen, h]
@@ -119,16 +121,16 @@ def check_sparq_extras(cache, table, seq_lens):
 
 
 CASES = [
-    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention), value axes)
-    ([1, 300], 4, 4, 64, 16, 8, 16, None, 0),  # a one-token sequence; MHA
-    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2), 4),  # short ones see every key; splits
-    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3), 4),  # SmolLM2's group of 3, pages of 8
-    ([150], 6, 2, 80, 16, 10, 32, (2, 2), 3),  # head dim 80; three axes (padded)
-    ([260, 33], 8, 1, 128, 32, 16, 64, None, 0),  # MQA, large pages
-    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2), 1),  # pages of 64: a tile of the scores is one page
-    ([300, 129], 4, 2, 64, 128, 8, 24, (2, 2), 2),  # pages of 128: a tile of the scores is one page of 128
-    ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64), 8),  # more attention splits than tiles; the combine in
-    # 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
+    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention), value axes, recent keys always chosen)
+    ([1, 300], 4, 4, 64, 16, 8, 16, None, 0, 0),  # a one-token sequence; MHA
+    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2), 4, 5),  # short ones see every key; splits
+    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3), 4, 40),  # SmolLM2's group of 3, pages of 8; the last k keys
+    ([150], 6, 2, 80, 16, 10, 32, (2, 2), 3, 0),  # head dim 80; three axes (padded)
+    ([260, 33], 8, 1, 128, 32, 16, 64, None, 0, 7),  # MQA, large pages
+    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2), 1, 0),  # pages of 64: a tile of the scores is one page
+    ([300, 129], 4, 2, 64, 128, 8, 24, (2, 2), 2, 8),  # pages of 128: a tile of the scores is one page of 128
+    ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64), 8, 3),  # more attention splits than tiles; the combine
+    # in 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
 ]
 
 
@@ -151,6 +153,13 @@ def test_reference_is_the_papers_algorithm(monkeypatch):
         assert rel_err(one[0], want) < 1e-12, pos
     dense = ref.paged_attention(q[-1:], cache, table, torch.tensor([0, 1]), torch.tensor([length]), 1)
     assert rel_err(out[-1:], dense) > 0.05  # (k < length: it is sparse)
+    for recent in (6, k):  # the last keys always chosen: some, and all k (a window)
+        out_r = ref.sparq_attention(q, cache, table, torch.tensor([0, length]), torch.tensor([length]), length, r=r,
+                                    k=k, recent=recent, rows_per_chunk=16)
+        for pos in (5, k, 47, length - 1):
+            want = sparq_by_the_paper(q[pos], keys[:pos + 1], values[:pos + 1], r, k, dim**-0.5, recent=recent)
+            assert rel_err(out_r[pos], want) < 1e-12, (recent, pos)
+        assert rel_err(out_r[k:], out[k:]) > 1e-3  # (other keys chosen)
     basis = torch.linalg.qr(torch.randn(hkv, dim, dim, dtype=torch.float64)).Q
     turned = KVCache(cache.k, cache.v, sparq_basis=basis)
     out_b = ref.sparq_attention(q, turned, table, torch.tensor([0, length]), torch.tensor([length]), length, r=r,
@@ -194,14 +203,16 @@ def test_key_bases_are_principal_axes():
     assert rel_err(weights, (moments.sqrt() ** AXIS_WEIGHT).expand_as(weights)) < 1e-4
 
 
-@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes", CASES)
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent", CASES)
 @pytest.mark.parametrize("turned", [False, True])
-def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, axes, turned, monkeypatch):
+def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, turned,
+                                        monkeypatch):
     """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
     output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
     `turned`: in a random basis of each KV head, and the keys chosen by the chunked select that long rows take (in
     chunks of 64, its first digits counted by the aggregation, here in programs of 32 keys); `strided` (K read
-    instead of the copy) SparQ over unrounded keys; `axes`: with so many value axes."""
+    instead of the copy) SparQ over unrounded keys; `axes`: with so many value axes; `recent`: the last so many
+    keys always chosen."""
     torch.manual_seed(sum(lens_k) + r)
     basis = query_basis = None
     if turned:  # the engine's kind: an orthonormal basis, its axes scaled by w for queries and 1 / w for keys
@@ -224,23 +235,25 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
     seq_lens = torch.cat([seq_lens, torch.zeros_like(seq_lens[:1])])
     cu = torch.arange(len(lens_k) + 2, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
+    sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, recent=recent, num_splits=splits, out=out)
     # (the reference reads the kernel's copy: checked above, and a key's component on a rounding boundary may round
     # the other way in float64, which can change the choice of keys)
     double = dataclasses.replace(cache, k=cache.k.double(), v=cache.v.double())
-    expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k)
+    expect = ref.sparq_attention(q[:-1].double(), double, table[:-1], cu[:-1], seq_lens[:-1], 1, r=r, k=k,
+                                 recent=recent)
     assert rel_err(out[:-1], expect) < 1e-5
     if turned:
         with pytest.raises(ValueError, match="sparq_basis"):
             sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, strided=True)
     else:  # the components read from K itself: SparQ over keys as they are, not rounded to e4m3
-        strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, strided=True)
+        strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, recent=recent, num_splits=splits,
+                                        strided=True)
         with monkeypatch.context() as m:
             m.setattr(ref, "as_sparq_copy", lambda keys: keys)
             unrounded = ref.sparq_attention(q[:-1].double(), KVCache(double.k, double.v, v_t=double.v_t,
                                             sparq_value_axes=cache.sparq_value_axes,
                                             sparq_value_rms=cache.sparq_value_rms), table[:-1], cu[:-1],
-                                            seq_lens[:-1], 1, r=r, k=k)
+                                            seq_lens[:-1], 1, r=r, k=k, recent=recent)
         assert rel_err(strided[:-1], unrounded) < 1e-5
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
     if max(lens_k) > k:
@@ -248,9 +261,9 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         assert rel_err(out[:-1], dense) > 1e-3
 
 
-@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes", CASES)
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent", CASES)
 @pytest.mark.parametrize("turned", [False, True])
-def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, turned):
+def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, turned):
     """Over a bf16 cache the kernels keep the approximate scores and their sums in fp16 (what they rank), which can
     swap keys that tie within fp16's rounding; on random keys (flat attention) one swap moves a group's output by
     up to a third. So most (sequence, KV head) groups, not all, match the float64 reference on the same bf16 values
@@ -265,9 +278,9 @@ def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, turn
     q = torch.randn(len(lens_k), hq, dim, device=DEVICE).bfloat16()
     cu = torch.arange(len(lens_k) + 1, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, num_splits=splits, out=out)
+    sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, recent=recent, num_splits=splits, out=out)
     double = dataclasses.replace(cache, k=cache.k.double(), v=cache.v.double())
-    expect = ref.sparq_attention(q.double(), double, table, cu, seq_lens, 1, r=r, k=k)
+    expect = ref.sparq_attention(q.double(), double, table, cu, seq_lens, 1, r=r, k=k, recent=recent)
     g = hq // hkv
     errs = [rel_err(out[i, h * g:(h + 1) * g], expect[i, h * g:(h + 1) * g]) for i in range(len(lens_k))
             for h in range(hkv)]
@@ -410,6 +423,8 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "sparq", "r": 8, "k": 8, "basis": "svd"}, {}, "basis must be one of pca, none"),
     ({"method": "sparq", "r": 8, "k": 8, "value_axes": -1}, {}, "value_axes must be an integer >= 0"),
     ({"method": "sparq", "r": 8, "k": 8, "value_axes": 17}, {}, "value_axes must be at most 16"),
+    ({"method": "sparq", "r": 8, "k": 8, "recent": -1}, {}, "recent must be an integer >= 0"),
+    ({"method": "sparq", "r": 8, "k": 8, "recent": 9}, {}, "recent must be at most k (8)"),
     ("sparq", {}, "sparse_attention must be dict or None"),
     (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
     (SPARQ, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "not served with speculative"),

@@ -43,9 +43,11 @@ from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
-# name: (r, context / k, value axes) at head dim D: the quality bench's budgets (set per 64 of the head dimension,
-# where "1/8 v" and "1/8 v2" spend a quarter and an eighth of the r components' bytes on the values' coordinates)
-BUDGETS = {name: (r * D // 64, per_k, axes * D // 64) for name, (r, axes, per_k) in SPARQ_BUDGETS.items()}
+# name: (r, context / k, value axes, recent keys) at head dim D: the quality bench's budgets (set per 64 of the head
+# dimension, where "1/8 v" and "1/8 v2" spend a quarter and an eighth of the r components' bytes on the values'
+# coordinates)
+BUDGETS = {name: (r * D // 64, per_k, axes * D // 64, recent)
+           for name, (r, axes, per_k, recent) in SPARQ_BUDGETS.items()}
 
 
 def graph_ms(fn) -> float:
@@ -94,11 +96,14 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
     dense_bytes = 2 * batch * context * HKV * D * 2
     rows = []
     for name, strided, turned in variants:  # (budget, strided, in a basis)
-        r, k, axes = BUDGETS[name][0], context // BUDGETS[name][1], BUDGETS[name][2]
+        r, per_k, axes, recent = BUDGETS[name]
+        k = context // per_k
         read = with_axes(cache if turned else dataclasses.replace(cache, sparq_basis=None), axes)
-        ms = graph_ms(lambda: sparq.sparq_attention(q, read, table, cu, lens, 1, r=r, k=k, out=out, strided=strided))
+        ms = graph_ms(lambda: sparq.sparq_attention(q, read, table, cu, lens, 1, r=r, k=k, recent=recent, out=out,
+                                                    strided=strided))
         rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "block_size": block, "budget": name,
-                     "r": r, "k": k, "value_axes": axes, "strided": strided, "basis": turned, "ms": ms, "dense_ms": dense_ms,
+                     "r": r, "k": k, "value_axes": axes, "recent": recent, "strided": strided, "basis": turned,
+                     "ms": ms, "dense_ms": dense_ms,
                      "speedup_vs_dense": dense_ms / ms, "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
                      "phases_ms": sparq_phases(q, read, table, lens, r, k, strided)})
     return rows

@@ -313,8 +313,8 @@ def in_basis(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
     return torch.einsum("tkgd,kde->tkge", x.reshape(t, hkv, h // hkv, d), basis.to(x.dtype)).reshape(t, h, d)
 
 
-def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
-                    out=None, rows_per_chunk=64):
+def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, recent=0,
+                    softmax_scale=None, out=None, rows_per_chunk=64):
     """SparQ attention (Ribar et al., 2024), each query row over its sequence's keys up to its own position (as if
     every row were decoded in turn). Per row and KV head, with the keys turned by the cache's `sparq_basis` and the
     queries by its `sparq_query_basis` (the inverse transpose, so q.k is kept; the paper's basis is the identity)
@@ -323,7 +323,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     2. approximate scores from those components of every key, rounded to e4m3 (`as_sparq_copy`: what the cache's
        copy `k_t` holds, read from it where the cache has one), each head's softmax temperature scaled by
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
-    3. the k keys with the largest approximate probability summed over the group's heads;
+    3. the k keys with the largest approximate probability summed over the group's heads, the row's last `recent`
+       keys (its own among them) always among them;
     4. exact attention over those k keys, weighted by alpha, the approximate probability they hold, plus
        (1 - alpha) times the mean of all the row's values;
     5. with the cache's value axes P [Hkv, D, m] (`v_t`), plus P times (the sum over the keys not chosen of their
@@ -353,12 +354,12 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         for start in range(cu_q[i], cu_q[i + 1], rows_per_chunk):
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
-            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, scale, query_basis,
-                                         coords, axes)
+            out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, recent, scale,
+                                         query_basis, coords, axes)
     return out
 
 
-def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis, coords=None, axes=None):
+def _sparq_rows(q, keys, turned, values, pos, r, k, recent, scale, query_basis, coords=None, axes=None):
     """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D], `turned` the keys as the approximate scores see
     them and `query_basis` ([Hkv, D, D] or None) the queries' turn, all of one dtype; `coords` [L, Hkv, m] the
     values' coordinates along `axes` [Hkv, D, m] (or None: the mean value alone). Returns [n, Hq, D]."""
@@ -377,6 +378,8 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, scale, query_basis, coords=N
     s_hat = (q_hat @ k_hat.transpose(-1, -2)) * temp[..., None]  # [n, Hkv, G, L]
     p_hat = torch.softmax(s_hat.masked_fill(~seen[:, None, None, :], float("-inf")), dim=-1)
     agg = p_hat.sum(2).masked_fill(~seen[:, None, :], -1.0)  # [n, Hkv, L]
+    near = seen & (pos[:, None] - torch.arange(length, device=q.device)[None, :] < recent)  # [n, L]
+    agg = agg.masked_fill(near[:, None, :], float("inf"))  # (ranked above every probability)
     chosen = agg.topk(min(k, length), dim=-1).indices  # [n, Hkv, k]
     chosen_ok = chosen <= pos[:, None, None]
     alpha = (p_hat.gather(-1, chosen[:, :, None, :].expand_as(p_hat[..., :chosen.shape[-1]]))

@@ -8,8 +8,9 @@ sum, instead of every key and value:
 2. and those components of every key, from the component-major copy `k_t` (e4m3: one run of block_size bytes
    per component and page, 64 by default with SparQ), give each head's approximate scores (kept, a key's heads
    side by side) and, per split of the keys, their running max and sum (and zero the select's histograms);
-3. `_aggregate`: each key's approximate probability summed over the group's heads, and the first digits of the
-   top-k's radix select counted as they are written; `top_k_positions` (`kernels/topk.py`) picks k keys. For a
+3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
+   keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
+   `top_k_positions` (`kernels/topk.py`) picks k keys. For a
    16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and three 5-bit digits for
    the select instead of seven. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
    activations that moved the output 0.2% (median) against SparQ's 21% from dense attention (docs/kernel-notes.md);
@@ -180,11 +181,12 @@ def _byte_as_e4m3(word, j):
 
 @triton.jit
 def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, PartTail, Digits, num_kv_heads, max_keys,
-               stride_lb, stride_lh, stride_ab, stride_ah, stride_bt, stride_vblock, stride_vhead, stride_vtok,
+               recent, stride_lb, stride_lh, stride_ab, stride_ah, stride_bt, stride_vblock, stride_vhead, stride_vtok,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                AXES: tl.constexpr, WORD: tl.constexpr):
-    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end), and the top-k
+    """Each key's approximate probability summed over the group's heads (-1 past the sequence's end, infinity for
+    its last `recent` keys), and the top-k
     select's first digits of them (LEVELS of digits, 0 where the select needs none); with AXES, each head's sum over
     this program's keys of approximate probability times the values' coordinates (PartTail, one row per program:
     the combine sums them), from VTWords, the copy `v_t` viewed as words of WORD bytes."""
@@ -198,11 +200,13 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
     if chunk == 0:
         tl.store(Lse + b * num_kv_heads * GROUP + heads, lse, mask=g_ok)
     n = chunk * BLOCK + tl.arange(0, BLOCK)
-    ok = n < tl.load(SeqLens + b)
+    n_keys = tl.load(SeqLens + b)
+    ok = n < n_keys
     logits = Logits + b * stride_lb + h * stride_lh
     s = tl.load(logits + n[None, :] * GROUP + g[:, None], mask=g_ok[:, None] & ok[None, :], other=float("-inf"))
     p = tl.exp2(s - lse[:, None])  # [heads, keys]
-    agg = tl.where(ok, tl.sum(p, 0), -1.0).to(Agg.dtype.element_ty)
+    agg = tl.where(ok, tl.sum(p, 0), -1.0)
+    agg = tl.where(ok & (n >= n_keys - recent), float("inf"), agg).to(Agg.dtype.element_ty)
     tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
     if LEVELS > 0:
         count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS)
@@ -393,9 +397,10 @@ def _splits(batch: int, kv_heads: int, work: int, device: torch.device, per_sm: 
     return max(1, min(round(per_sm * sms / max(batch * kv_heads, 1)), work, 128))
 
 
-def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, softmax_scale=None,
-                    out=None, num_splits=None, tiles=None, strided=False):
-    """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys. `num_splits` (score splits,
+def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, recent=0,
+                    softmax_scale=None, out=None, num_splits=None, tiles=None, strided=False):
+    """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys; the last `recent` keys are
+    always among the k chosen. `num_splits` (score splits,
     attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step, warps and
     pipeline stages of the scores; the same of the attention) their shapes (tests, benchmark sweeps).
     strided=True reads the r components from the cache's K instead of its component-major copy (what the copy
@@ -468,7 +473,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     vt_words = vt.view(_WORDS[word])
     _aggregate[(batch, hkv, chunks)](
         logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt_words, part_tail,
-        agg if digits is None else digits, hkv, max_keys, logits.stride(0), logits.stride(1), agg.stride(0),
+        agg if digits is None else digits, hkv, max_keys, recent, logits.stride(0), logits.stride(1), agg.stride(0),
         agg.stride(1), block_table.stride(0), *vt_strides, GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=AGGREGATE_KEYS,
         LEVELS=0 if digits is None else digits.shape[1], KEY_BITS=8 * agg.element_size(), PAGE_SIZE=page, AXES=axes,

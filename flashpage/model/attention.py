@@ -65,7 +65,8 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
     sparse = meta.sparse if meta.sparse is not None and meta.sparse.method == "sparq" else None
     if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
-                                   meta.max_seqlen_q, r=sparse.r, k=sparse.k, softmax_scale=scale)
+                                   meta.max_seqlen_q, r=sparse.r, k=sparse.k, recent=sparse.recent,
+                                   softmax_scale=scale)
     view = meta.block_sparse if meta.block_sparse is not None else meta
     table = view.block_table
     if view.block_choice is not None:  # this layer's keys are cached: choose each KV head's blocks from them
@@ -80,5 +81,5 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
             out[rows] = ops.sparq_attention(q[rows], kv_cache, meta.block_table[decoding],
                                             torch.arange(decoding.numel() + 1, dtype=cu.dtype, device=cu.device),
                                             meta.seq_lens_k[decoding], 1, r=sparse.r, k=sparse.k,
-                                            softmax_scale=scale)
+                                            recent=sparse.recent, softmax_scale=scale)
     return out
