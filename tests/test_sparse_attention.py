@@ -353,7 +353,8 @@ def test_sparq_engine(smollm_llm):
 def test_sparq_value_axes_engine(smollm_llm):
     """With value axes: each layer's are orthonormal principal axes of the calibration text's values, and the cache
     holds its values' coordinates; the tail they give brings the perplexity of real text nearer dense attention's
-    than SparQ's mean value does; stats count their bytes; they take their share of the cache."""
+    than SparQ's mean value does; stats count their bytes; they take their share of the cache; `"recent"` reaches
+    the kernels."""
     text = real_text(smollm_llm, 200)
     cfg = {**SPARQ, "basis": "none", "prompt": True}  # (the values' axes alone are calibrated)
     engine = engine_from(smollm_llm, sparse_attention={**cfg, "value_axes": 4})
@@ -381,6 +382,10 @@ def test_sparq_value_axes_engine(smollm_llm):
     # (as test_sparq_engine's, and 4 one-byte coordinates a token and head: 4 / 64 a value)
     assert with_axes.stats()["kv_cache_capacity_tokens"] / plain == pytest.approx(8 / (9 + 4 / 64 + 4 / 64),
                                                                                   rel=0.02)
+    # the last 8 keys always among the 24 chosen: other keys, the same bytes
+    recent = engine_from(smollm_llm, sparse_attention={**cfg, "value_axes": 4, "recent": 8})
+    assert abs(nll(recent) - tail) > 1e-4
+    assert recent.stats()["sparse_attention_bytes_fraction"] == got["sparse_attention_bytes_fraction"]
 
 
 def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
