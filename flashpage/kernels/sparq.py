@@ -10,9 +10,8 @@ sum, instead of every key and value:
    side by side) and, per split of the keys, their running max and sum (and zero the select's histograms);
 3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
    keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
-   `top_k_positions` (`kernels/topk.py`) picks k keys. For a
-   16-bit cache the kept scores and the summed probabilities are fp16: half the bytes, and three 5-bit digits for
-   the select instead of seven. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
+   `top_k_positions` (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed
+   probabilities are fp16: half the bytes, and three 5-bit digits for the select instead of seven. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
    activations that moved the output 0.2% (median) against SparQ's 21% from dense attention (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
@@ -186,10 +185,10 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
                BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                AXES: tl.constexpr, WORD: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end, infinity for
-    its last `recent` keys), and the top-k
-    select's first digits of them (LEVELS of digits, 0 where the select needs none); with AXES, each head's sum over
-    this program's keys of approximate probability times the values' coordinates (PartTail, one row per program:
-    the combine sums them), from VTWords, the copy `v_t` viewed as words of WORD bytes."""
+    its last `recent` keys), and the top-k select's first digits of them (LEVELS of digits, 0 where the select
+    needs none); with AXES, each head's sum over this program's keys of approximate probability times the values'
+    coordinates (PartTail, one row per program: the combine sums them), from VTWords, the copy `v_t` viewed as
+    words of WORD bytes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -400,9 +399,9 @@ def _splits(batch: int, kv_heads: int, work: int, device: torch.device, per_sm: 
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, recent=0,
                     softmax_scale=None, out=None, num_splits=None, tiles=None, strided=False):
     """Decode: q [B, Hq, D], one query per sequence, the last of its seq_lens_k keys; the last `recent` keys are
-    always among the k chosen. `num_splits` (score splits,
-    attend splits) overrides the choice of programs per (sequence, KV head), `tiles` (keys per step, warps and
-    pipeline stages of the scores; the same of the attention) their shapes (tests, benchmark sweeps).
+    always among the k chosen. `num_splits` (score splits, attend splits) overrides the choice of programs per
+    (sequence, KV head), `tiles` (keys per step, warps and pipeline stages of the scores; the same of the
+    attention) their shapes (tests, benchmark sweeps).
     strided=True reads the r components from the cache's K instead of its component-major copy (what the copy
     saves, measured by `bench kernels --sparse`)."""
     if max_seqlen_q != 1 or q.shape[0] != block_table.shape[0]:
