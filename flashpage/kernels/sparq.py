@@ -11,8 +11,9 @@ sum, instead of every key and value:
 3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
    keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
    `top_k_positions` (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed
-   probabilities are fp16: half the bytes, and three 5-bit digits for the select instead of seven. Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own
-   activations that moved the output 0.2% (median) against SparQ's 21% from dense attention (docs/kernel-notes.md);
+   probabilities are fp16: half the bytes, and three 5-bit digits for the select instead of seven. Ranking in
+   fp16 can swap keys tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median)
+   against SparQ's 21% from dense attention (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
