@@ -72,7 +72,8 @@ def sparq_cache(batch: int, context: int, block: int = 16, axes: int = 0) -> tup
     for i in range(batch):  # each block: the sequence's values summed up to its end
         rows = table[i].long()
         v_cumsum[rows] = v[rows].float().sum(1).cumsum(0)
-    basis = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q.to(torch.bfloat16)
+    # contiguous, as the engine stores its bases: QR's Q is column-major, and the kernels would copy it every step
+    basis = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q.contiguous().to(torch.bfloat16)
     with_axes = {}
     if axes:
         value_axes = torch.linalg.qr(torch.randn(HKV, D, D, device="cuda")).Q[..., :axes].contiguous()
