@@ -25,6 +25,11 @@ from flashpage.server.async_engine import AsyncEngine
 
 KEY = "test-key"
 MODEL = "smollm2-135m"
+# The server's engine and the session's LLM are two engines with their own prefix caches: a prefix hit reuses K/V
+# that its engine computed in some earlier batch, whose shape changes the float32 rounding. So the same request's
+# log-probs agree to about 1e-5 on one CPU and differed by 6e-4 on CI's (-1.88270 against -1.88331, the first token
+# of a chat). Any relaying mistake (another position, another token, processed log-probs) moves them by far more.
+ACROSS_ENGINES = 2e-3
 
 
 def free_port() -> int:
@@ -119,9 +124,9 @@ def test_openai_client_completions_and_chat_equal_llm(served, smollm_llm):
         content = got.choices[0].logprobs.content
         assert [len(e.top_logprobs) for e in content] == [k] * len(want.token_ids)
         for e, token, lps in zip(content, want.token_ids, want.logprobs):
-            assert e.logprob == pytest.approx(lps[token].logprob, abs=1e-5)
+            assert e.logprob == pytest.approx(lps[token].logprob, abs=ACROSS_ENGINES)
             assert [t.logprob for t in e.top_logprobs] == pytest.approx(
-                sorted((lp.logprob for lp in lps.values()), reverse=True)[:k], abs=1e-5)
+                sorted((lp.logprob for lp in lps.values()), reverse=True)[:k], abs=ACROSS_ENGINES)
     wait_idle(served[1])
 
 
@@ -459,7 +464,7 @@ def test_completions_echo_logprobs_offsets_usage_and_unserved_fields(served, smo
     assert r["choices"][0]["text"] == prompt and r["usage"]["completion_tokens"] == 0
     assert lp["token_logprobs"][0] is None and len(lp["tokens"]) == len(ids)
     for got, entry, t in zip(lp["token_logprobs"][1:], want.prompt_logprobs[1:], ids[1:]):
-        assert got == pytest.approx(entry[t].logprob, abs=1e-5)
+        assert got == pytest.approx(entry[t].logprob, abs=ACROSS_ENGINES)
     body = {"prompt": prompt, "max_tokens": 6, "echo": True, "logprobs": 2, "temperature": 0, "ignore_eos": True}
     whole = post(body).json()["choices"][0]
     events = [json.loads(line[6:]) for line in httpx.post(url + "/v1/completions", json={
@@ -477,7 +482,8 @@ def test_completions_echo_logprobs_offsets_usage_and_unserved_fields(served, smo
     assert biased["choices"][0]["text"] == smollm_llm.tokenizer.decode([42, 42, 42])
     with_prompt_lp = post({"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}).json()
     entries = with_prompt_lp["choices"][0]["prompt_logprobs"]
-    assert entries[0] is None and entries[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]].logprob, abs=1e-5)
+    assert entries[0] is None and entries[1][str(ids[1])]["logprob"] == pytest.approx(
+        want.prompt_logprobs[1][ids[1]].logprob, abs=ACROSS_ENGINES)
     for field, value in [("tools", [{"type": "function", "function": {"name": "f"}}]), ("suffix", "!")]:
         r = post({"prompt": prompt, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field
