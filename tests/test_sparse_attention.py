@@ -224,8 +224,8 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         monkeypatch.setattr(sparq, "TAIL_ROWS", 4)
         # the select's histograms come unzeroed (poisoned here): the scores kernel zeroes them
         unzeroed = sparq.digit_histograms
-        monkeypatch.setattr(sparq, "digit_histograms", lambda values, zeroed=True: unzeroed(values, zeroed).fill_(
-            0 if zeroed else 12345))
+        monkeypatch.setattr(sparq, "digit_histograms", lambda values, zeroed=True, drop_bits=0: unzeroed(
+            values, zeroed, drop_bits).fill_(0 if zeroed else 12345))
     check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes))
     cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis, axes)
     cache.sparq_query_basis = query_basis
@@ -264,9 +264,9 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
 @pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent", CASES)
 @pytest.mark.parametrize("turned", [False, True])
 def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, turned):
-    """Over a bf16 cache the kernels keep the approximate scores and their sums in fp16 (what they rank), which can
-    swap keys that tie within fp16's rounding; on random keys (flat attention) one swap moves a group's output by
-    up to a third. So most (sequence, KV head) groups, not all, match the float64 reference on the same bf16 values
+    """Over a bf16 cache the kernels keep the approximate scores and their sums in fp16 and rank the sums by their
+    top 10 bits (the reference too, from its float64 sums), which can swap keys that fall on either side of a
+    rounding boundary; on random keys (flat attention) one swap moves a group's output by up to a third. So most (sequence, KV head) groups, not all, match the float64 reference on the same bf16 values
     to bf16 rounding, and none is garbage. `turned`: in a basis of each KV head that bf16 holds exactly, a random
     signed permutation (a general one rounds the turned queries and keys, as the float32 test measures)."""
     torch.manual_seed(sum(lens_k) + r + 1)
@@ -280,7 +280,8 @@ def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, rece
     out = torch.full_like(q, float("nan"))
     sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, recent=recent, num_splits=splits, out=out)
     double = dataclasses.replace(cache, k=cache.k.double(), v=cache.v.double())
-    expect = ref.sparq_attention(q.double(), double, table, cu, seq_lens, 1, r=r, k=k, recent=recent)
+    expect = ref.sparq_attention(q.double(), double, table, cu, seq_lens, 1, r=r, k=k, recent=recent,
+                                 drop_bits=sparq.FP16_DROP_BITS)
     g = hq // hkv
     errs = [rel_err(out[i, h * g:(h + 1) * g], expect[i, h * g:(h + 1) * g]) for i in range(len(lens_k))
             for h in range(hkv)]
@@ -594,23 +595,26 @@ def mass_by_hand(q, keys, q_pos, pattern, first, candidates):
 
 
 @triton.jit
-def _first_digits_kernel(Values, Hist, n, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _first_digits_kernel(Values, Hist, n, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr,
+                         BLOCK: tl.constexpr):
     """A row's first digits, counted as a kernel that writes the values counts them (SparQ's aggregation)."""
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     values = tl.load(Values + row * n + i, mask=i < n, other=-1.0)
-    topk.count_first_digits(Hist, row, values, i < n, LEVELS, KEY_BITS)
+    topk.count_first_digits(Hist, row, values, i < n, LEVELS, KEY_BITS, DROP_BITS)
 
 
+@pytest.mark.parametrize("drop_bits", [0, 5])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1, 1), (700, 0), (3000, 37), (2049, 2049), (300, 500)])
-def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
+def test_top_k_positions(dtype, n, k, chunked, drop_bits, monkeypatch):
     """Both Triton selects (a row in registers; chunked, here in chunks of 256 (128 on a GPU), a radix select over
     histograms, also with its first digits counted by another kernel) against the reference: the same positions,
     first ones taken among equal values, in position order, the slots past k filled; and the reference's values are
     torch.topk's. Rows hold values past a sequence's end (-1, -inf), ties, zeros, values from 0 to 3 (the first
-    digit of a float32 changes at 2), and a row below zero throughout; k per row too."""
+    digit of a float32 changes at 2), and a row below zero throughout; k per row too. With drop_bits the values
+    rank by their bits less the lowest five (SparQ's fp16 sums drop five): many more ties."""
     if chunked:  # (on a GPU these few rows take the short chunks)
         monkeypatch.setattr(topk, "MAX_ROW", 0)
         monkeypatch.setattr(topk, "CHUNK", 256)
@@ -623,23 +627,30 @@ def test_top_k_positions(dtype, n, k, chunked, monkeypatch):
     values[1, 1, ::7] = 0.0
     values[2, 0] *= 3
     for ks in (k, torch.randint(0, k + 2, (3, 2), device=DEVICE)):
-        want = ref.top_k_positions(values, ks, k + 3, -7)
-        assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7), want)
+        want = ref.top_k_positions(values, ks, k + 3, -7, drop_bits=drop_bits)
+        assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7, drop_bits=drop_bits), want)
         if chunked:
-            digits = topk.digit_histograms(values)
+            digits = topk.digit_histograms(values, drop_bits=drop_bits)
             _first_digits_kernel[(6, triton.cdiv(n, 128))](values, digits, n, LEVELS=digits.shape[1],
-                                                           KEY_BITS=8 * values.element_size(), BLOCK=128)
-            assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7, first_digits=digits), want)
+                                                           KEY_BITS=8 * values.element_size(), DROP_BITS=drop_bits,
+                                                           BLOCK=128)
+            assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7, first_digits=digits, drop_bits=drop_bits),
+                               want)
         for row, kept in zip(values.view(6, n), want.view(6, -1)):
             taken = kept[kept >= 0].long()
             assert len(taken) == min(int(ks) if isinstance(ks, int) else len(taken), n)
-            assert torch.equal(row[taken].float().sort().values, row.float().topk(len(taken)).values.sort().values)
+            if drop_bits == 0:
+                assert torch.equal(row[taken].float().sort().values, row.float().topk(len(taken)).values.sort().values)
+            elif len(taken) and row[taken].min() >= 0:  # dropped bits tell apart no less than 2 ** (5 - mantissa)
+                least = row[taken].float().min()
+                rel = 2.0 ** (drop_bits - (10 if dtype == torch.float16 else 23))
+                assert (row.float() > least * (1 + 2 * rel)).sum() < len(taken)
         if isinstance(ks, torch.Tensor):
             assert torch.equal((want >= 0).sum(-1), ks.clamp(max=n))
-        narrow = ref.top_k_positions(values, ks, k // 2 + 1, -7)  # k over width: the width largest
-        assert torch.equal(tri.top_k_positions(values, ks, k // 2 + 1, -7), narrow)
+        narrow = ref.top_k_positions(values, ks, k // 2 + 1, -7, drop_bits=drop_bits)  # k over width: the largest
+        assert torch.equal(tri.top_k_positions(values, ks, k // 2 + 1, -7, drop_bits=drop_bits), narrow)
         clamped = torch.as_tensor(ks, device=DEVICE).clamp(max=k // 2 + 1)  # (an int k: a tensor on DEVICE too)
-        assert torch.equal(narrow, ref.top_k_positions(values, clamped, k // 2 + 1, -7))
+        assert torch.equal(narrow, ref.top_k_positions(values, clamped, k // 2 + 1, -7, drop_bits=drop_bits))
 
 
 @pytest.mark.parametrize("pattern", CHOOSING)

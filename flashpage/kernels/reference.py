@@ -75,15 +75,19 @@ def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     return out
 
 
-def top_k_positions(values, k, width=None, fill=0, dtype=torch.int32):
+def top_k_positions(values, k, width=None, fill=0, dtype=torch.int32, drop_bits=0):
     """The positions of the k largest of each row of values [..., n], in position order: [..., width] (width = k
     by default), the slots past a row's k set to fill; a k over width takes the width largest. Non-negative floats
-    rank as themselves, anything below zero under them; of equal values the first positions are taken. k: an int,
-    or a tensor of one per row."""
+    rank as themselves (with drop_bits, as their bits less that many of the lowest), anything below zero under
+    them; of equal values the first positions are taken. k: an int, or a tensor of one per row."""
     n = values.shape[-1]
     width = width if width is not None else k
     ks = k if isinstance(k, torch.Tensor) else torch.full(values.shape[:-1], k, device=values.device)
-    ranked = torch.where(values >= 0, values.double(), -1.0)  # (NaN too goes under)
+    ranked = values.double()
+    if drop_bits:
+        bits = values.view({2: torch.int16, 4: torch.int32}[values.element_size()]).long()
+        ranked = ((bits & (2 ** (8 * values.element_size()) - 1)) >> drop_bits).double()
+    ranked = torch.where(values >= 0, ranked, -1.0)  # (NaN too goes under)
     order = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :width]
     taken = torch.arange(order.shape[-1], device=values.device) < ks[..., None].clamp(max=n)
     positions = torch.where(taken, order, n).sort(-1).values
@@ -314,7 +318,7 @@ def in_basis(x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
 
 
 def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, r, k, recent=0,
-                    softmax_scale=None, out=None, rows_per_chunk=64):
+                    softmax_scale=None, out=None, rows_per_chunk=64, drop_bits=0):
     """SparQ attention (Ribar et al., 2024), each query row over its sequence's keys up to its own position (as if
     every row were decoded in turn). Per row and KV head, with the keys turned by the cache's `sparq_basis` and the
     queries by its `sparq_query_basis` (the inverse transpose, so q.k is kept; the paper's basis is the identity)
@@ -324,7 +328,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
        copy `k_t` holds, read from it where the cache has one), each head's softmax temperature scaled by
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
     3. the k keys with the largest approximate probability summed over the group's heads, the row's last `recent`
-       keys (its own among them) always among them;
+       keys (its own among them) always among them (with drop_bits, the sums ranked as the Triton kernels rank a
+       16-bit cache's: in fp16, less their lowest drop_bits bits, the first positions first among ties);
     4. exact attention over those k keys, weighted by alpha, the approximate probability they hold, plus
        (1 - alpha) times the mean of all the row's values;
     5. with the cache's value axes P [Hkv, D, m] (`v_t`), plus P times (the sum over the keys not chosen of their
@@ -355,11 +360,11 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
             end = min(start + rows_per_chunk, cu_q[i + 1])
             pos = torch.arange(len_k - (cu_q[i + 1] - start), len_k - (cu_q[i + 1] - end), device=q.device)
             out[start:end] = _sparq_rows(q[start:end].to(dt), keys, turned, values, pos, r, k, recent, scale,
-                                         query_basis, coords, axes)
+                                         query_basis, coords, axes, drop_bits)
     return out
 
 
-def _sparq_rows(q, keys, turned, values, pos, r, k, recent, scale, query_basis, coords=None, axes=None):
+def _sparq_rows(q, keys, turned, values, pos, r, k, recent, scale, query_basis, coords=None, axes=None, drop_bits=0):
     """q [n, Hq, D] at positions pos [n]; keys/values [L, Hkv, D], `turned` the keys as the approximate scores see
     them and `query_basis` ([Hkv, D, D] or None) the queries' turn, all of one dtype; `coords` [L, Hkv, m] the
     values' coordinates along `axes` [Hkv, D, m] (or None: the mean value alone). Returns [n, Hq, D]."""
@@ -380,7 +385,10 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, recent, scale, query_basis, 
     agg = p_hat.sum(2).masked_fill(~seen[:, None, :], -1.0)  # [n, Hkv, L]
     near = seen & (pos[:, None] - torch.arange(length, device=q.device)[None, :] < recent)  # [n, L]
     agg = agg.masked_fill(near[:, None, :], float("inf"))  # (ranked above every probability)
-    chosen = agg.topk(min(k, length), dim=-1).indices  # [n, Hkv, k]
+    if drop_bits:
+        chosen = top_k_positions(agg.to(torch.float16), min(k, length), drop_bits=drop_bits).long()  # [n, Hkv, k]
+    else:
+        chosen = agg.topk(min(k, length), dim=-1).indices
     chosen_ok = chosen <= pos[:, None, None]
     alpha = (p_hat.gather(-1, chosen[:, :, None, :].expand_as(p_hat[..., :chosen.shape[-1]]))
              * chosen_ok[:, :, None, :]).sum(-1)  # [n, Hkv, G]

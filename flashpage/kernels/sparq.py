@@ -11,9 +11,11 @@ sum, instead of every key and value:
 3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
    keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
    `top_k_positions` (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed
-   probabilities are fp16: half the bytes, and three 5-bit digits for the select instead of seven. Ranking in
-   fp16 can swap keys tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median)
-   against SparQ's 21% from dense attention (docs/kernel-notes.md);
+   probabilities are fp16: half the bytes, and ranked by their top 10 bits, two 5-bit digits for the select
+   instead of seven (sums within about 3% of each other tie, the first positions taken). Ranking in fp16 can swap
+   keys tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median) against
+   SparQ's 21% from dense attention, and the 10 bits' perplexity equals the full fp16 ranking's
+   (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
@@ -42,6 +44,9 @@ from flashpage.kernels.topk import count_first_digits, digit_histograms, top_k_p
 _LOG2E = 1.4426950408889634
 AGGREGATE_KEYS = 1024  # keys per aggregation program
 TAIL_ROWS = 64  # the aggregation programs' sums of the tail that the combine adds at a time
+# fp16 sums rank by their top 10 of 15 bits (within about 3% a tie, taken first position first): two radix digits
+# of the select, one launch fewer than three (docs/kernel-notes.md)
+FP16_DROP_BITS = 5
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # integers of so many bytes
 
 
@@ -183,8 +188,8 @@ def _byte_as_e4m3(word, j):
 def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, PartTail, Digits, num_kv_heads, max_keys,
                recent, stride_lb, stride_lh, stride_ab, stride_ah, stride_bt, stride_vblock, stride_vhead, stride_vtok,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-               BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               AXES: tl.constexpr, WORD: tl.constexpr):
+               BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, AXES: tl.constexpr, WORD: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end, infinity for
     its last `recent` keys), and the top-k select's first digits of them (LEVELS of digits, 0 where the select
     needs none); with AXES, each head's sum over this program's keys of approximate probability times the values'
@@ -209,7 +214,7 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
     agg = tl.where(ok & (n >= n_keys - recent), float("inf"), agg).to(Agg.dtype.element_ty)
     tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
     if LEVELS > 0:
-        count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS)
+        count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS, DROP_BITS)
     if AXES > 0:  # a key's coordinates are one run of AXES bytes; past the end the copy may hold NaNs: masked
         block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         words = VTWords + (block * stride_vblock + h * stride_vhead + (n % PAGE_SIZE) * stride_vtok) // WORD
@@ -447,7 +452,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # each key's summed probability (step 3), and the histograms of the select that takes the k most likely keys;
     # rows the select holds in registers need none (`topk.MAX_ROW`)
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
-    digits = digit_histograms(agg, zeroed=False) if max_keys > topk.MAX_ROW else None
+    drop_bits = FP16_DROP_BITS if kept == torch.float16 else 0
+    digits = digit_histograms(agg, zeroed=False, drop_bits=drop_bits) if max_keys > topk.MAX_ROW else None
     digit_cells = 0 if digits is None else digits[0].numel()
     _approximate_scores[(batch, hkv, score_splits)](
         q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits, scale,
@@ -476,9 +482,9 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         agg if digits is None else digits, hkv, max_keys, recent, logits.stride(0), logits.stride(1), agg.stride(0),
         agg.stride(1), block_table.stride(0), *vt_strides, GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=AGGREGATE_KEYS,
-        LEVELS=0 if digits is None else digits.shape[1], KEY_BITS=8 * agg.element_size(), PAGE_SIZE=page, AXES=axes,
-        WORD=word, num_warps=4)
-    chosen = top_k_positions(agg, num_chosen, first_digits=digits)
+        LEVELS=0 if digits is None else digits.shape[1], KEY_BITS=8 * agg.element_size(), DROP_BITS=drop_bits,
+        PAGE_SIZE=page, AXES=axes, WORD=word, num_warps=4)
+    chosen = top_k_positions(agg, num_chosen, first_digits=digits, drop_bits=drop_bits)
     # 4. exact attention over them
     part_out = torch.empty(batch, hq, attend_splits, dim, dtype=f32, device=dev)
     part_lse = torch.empty(batch, hq, attend_splits, dtype=f32, device=dev)

@@ -14,7 +14,9 @@
 
 The values are probabilities and block masses: non-negative floats order as their bits do. Anything below zero
 (SparQ's -1 past a sequence's end, a mass's -inf where a row has no more candidates) ranks under every
-non-negative value, and is taken, first positions first, only where a row holds fewer than k of those."""
+non-negative value, and is taken, first positions first, only where a row holds fewer than k of those.
+`drop_bits` ranks the values by their bits less that many of the lowest: values that then agree are ties (SparQ's
+fp16 sums rank by their top 10 bits, two radix digits instead of three)."""
 
 from __future__ import annotations
 
@@ -38,28 +40,29 @@ _BINS = tl.constexpr(2**RADIX_BITS)
 
 
 @triton.jit
-def _key(x, KEY_BITS: tl.constexpr):
-    """x's rank as an integer: its bits plus one where x >= 0, else 0."""
+def _key(x, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr):
+    """x's rank as an integer: its bits but the lowest DROP_BITS, plus one, where x >= 0, else 0."""
     if KEY_BITS == 16:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
         bits = x.to(tl.int32, bitcast=True)
-    return tl.where(x >= 0, bits + 1, 0)
+    return tl.where(x >= 0, (bits >> DROP_BITS) + 1, 0)
 
 
 @triton.jit
 def _row_in_registers_kernel(Values, Ks, Out, k, n, width, fill, stride_v, stride_o, KEY_BITS: tl.constexpr,
-                             PER_ROW: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr):
+                             DROP_BITS: tl.constexpr, PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
+                             BLOCK_W: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW:
         k = tl.load(Ks + row)
     k = tl.minimum(k, n)
     i = tl.arange(0, BLOCK)
     ok = i < n
-    key = tl.where(ok, _key(tl.load(Values + row * stride_v + i, mask=ok, other=-1.0), KEY_BITS), -1)
+    key = tl.where(ok, _key(tl.load(Values + row * stride_v + i, mask=ok, other=-1.0), KEY_BITS, DROP_BITS), -1)
     threshold = 0  # the k-th largest key: the largest t with k or more keys >= t
-    for bit in tl.static_range(KEY_BITS - 1):  # (keys are under 2 ** (KEY_BITS - 1))
-        candidate = threshold | (1 << (KEY_BITS - 2 - bit))
+    for bit in tl.static_range(KEY_BITS - 1 - DROP_BITS):  # (keys are under 2 ** (KEY_BITS - 1 - DROP_BITS))
+        candidate = threshold | (1 << (KEY_BITS - 2 - DROP_BITS - bit))
         if tl.sum((key >= candidate).to(tl.int32), 0) >= k:
             threshold = candidate
     # the keys above it, and as many equal to it as k still needs, the first ones
@@ -72,9 +75,9 @@ def _row_in_registers_kernel(Values, Ks, Out, k, n, width, fill, stride_v, strid
     tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
-def _levels(key_bits: int) -> int:
-    """Digits in a key (keys are under 2 ** (key_bits - 1))."""
-    return triton.cdiv(key_bits - 1, RADIX_BITS)
+def _levels(key_bits: int, drop_bits: int) -> int:
+    """Digits in a key (keys are under 2 ** (key_bits - 1 - drop_bits))."""
+    return triton.cdiv(key_bits - 1 - drop_bits, RADIX_BITS)
 
 
 @triton.jit
@@ -94,33 +97,36 @@ def _threshold(Hist, row, k, LEVEL: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+def _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr, PER_ROW: tl.constexpr,
+                CHUNK: tl.constexpr):
     """The program's row, that row's k (at most n), and its chunk's positions and keys (-1 past n)."""
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW:
         k = tl.load(Ks + row)
     i = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     ok = i < n
-    key = tl.where(ok, _key(tl.load(Values + row * stride_v + i, mask=ok, other=-1.0), KEY_BITS), -1)
+    key = tl.where(ok, _key(tl.load(Values + row * stride_v + i, mask=ok, other=-1.0), KEY_BITS, DROP_BITS), -1)
     return row, tl.minimum(k, n), i, key
 
 
 @triton.jit
-def count_first_digits(Hist, row, values, ok, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr):
+def count_first_digits(Hist, row, values, ok, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr,
+                       DROP_BITS: tl.constexpr):
     """Adds the first digits of a row's values (where ok) to its histogram: a kernel that writes the values counts
     them as it does (`first_digits` of `top_k_positions`), saving that launch's read."""
-    key = _key(values, KEY_BITS)
+    key = _key(values, KEY_BITS, DROP_BITS)
     counts = tl.histogram(key >> (_RADIX_BITS * (LEVELS - 1)), _BINS, mask=ok)
     tl.atomic_add(Hist + row * LEVELS * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0)
 
 
 @triton.jit
 def _histogram_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, k, n, stride_v, LEVEL: tl.constexpr,
-                      LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr):
+                      LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr, PER_ROW: tl.constexpr,
+                      CHUNK: tl.constexpr):
     """Adds the chunk's histogram of the level's digit to its row's. At the last level it also keeps, for each
     value of that digit, how many of the chunk's keys would equal the threshold and how many would be above it: what
     the write needs of the chunks before its own."""
-    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
+    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, DROP_BITS, PER_ROW, CHUNK)
     shift = _RADIX_BITS * (LEVELS - 1 - LEVEL)
     ok = key >= 0
     if LEVEL > 0:
@@ -138,9 +144,9 @@ def _histogram_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, k, n, stride_v, L
 
 @triton.jit
 def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fill, stride_v, stride_o,
-                  LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, PER_ROW: tl.constexpr, CHUNK: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
-    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, PER_ROW, CHUNK)
+                  LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr, PER_ROW: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, DROP_BITS, PER_ROW, CHUNK)
     threshold, want = _threshold(Hist, row, k, LEVELS, LEVELS)
     # the keys above the threshold and equal to it in the chunks before this one
     c = tl.arange(0, BLOCK_C)
@@ -164,20 +170,21 @@ def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fil
         tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
-def digit_histograms(values: torch.Tensor, zeroed: bool = True) -> torch.Tensor:
-    """Histograms for `top_k_positions(values, ..., first_digits=)`: [rows, levels, bins], zeroed, or with
-    zeroed=False left for a kernel that runs before them to zero."""
+def digit_histograms(values: torch.Tensor, zeroed: bool = True, drop_bits: int = 0) -> torch.Tensor:
+    """Histograms for `top_k_positions(values, ..., first_digits=, drop_bits=)`: [rows, levels, bins], zeroed, or
+    with zeroed=False left for a kernel that runs before them to zero."""
     rows = values[..., 0].numel()
-    return (torch.zeros if zeroed else torch.empty)(rows, _levels(8 * values.element_size()), 2**RADIX_BITS,
-                                                    dtype=torch.int32, device=values.device)
+    return (torch.zeros if zeroed else torch.empty)(rows, _levels(8 * values.element_size(), drop_bits),
+                                                    2**RADIX_BITS, dtype=torch.int32, device=values.device)
 
 
 def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int = 0,
-                    dtype: torch.dtype = torch.int32, first_digits: torch.Tensor | None = None) -> torch.Tensor:
+                    dtype: torch.dtype = torch.int32, first_digits: torch.Tensor | None = None,
+                    drop_bits: int = 0) -> torch.Tensor:
     """`reference.top_k_positions` (the same positions): [..., width] (width = k by default), the slots past a
     row's k set to fill; a k over width takes the width largest. k: an int, or a tensor of one per row.
-    first_digits: `digit_histograms(values)` with the values' first digits counted (`count_first_digits`), or
-    None."""
+    first_digits: `digit_histograms(values, drop_bits=drop_bits)` with the values' first digits counted
+    (`count_first_digits`), or None."""
     n = values.shape[-1]
     per_row = isinstance(k, torch.Tensor)
     width = width if width is not None else k
@@ -188,6 +195,8 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
     out = torch.empty(rows.shape[0], width, dtype=dtype, device=values.device)
     ks = k.reshape(-1) if per_row else out
     key_bits = 8 * values.element_size()
+    if not 0 <= drop_bits or _levels(key_bits, drop_bits) < 2:
+        raise ValueError(f"drop_bits must leave {values.dtype} keys two radix digits at least, got {drop_bits}")
     if rows.shape[0] == 0 or width == 0:
         pass
     elif n > MAX_ROW:
@@ -195,20 +204,23 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
         if values.is_cuda and rows.shape[0] * triton.cdiv(n, CHUNK) < sm_count(values.device):
             chunk = min(CHUNK, SHORT_CHUNK)
         grid = (rows.shape[0], triton.cdiv(n, chunk))
-        levels = _levels(key_bits)
-        hist = digit_histograms(values) if first_digits is None else first_digits
+        levels = _levels(key_bits, drop_bits)
+        hist = digit_histograms(values, drop_bits=drop_bits) if first_digits is None else first_digits
         chunk_hist = torch.empty(*grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
         chunk_above = torch.empty_like(chunk_hist)
         scalar_k = 0 if per_row else k
         for level in range(0 if first_digits is None else 1, levels):
             _histogram_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, scalar_k, n, rows.stride(0), LEVEL=level,
-                                    LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=chunk, num_warps=4)
+                                    LEVELS=levels, KEY_BITS=key_bits, DROP_BITS=drop_bits, PER_ROW=per_row,
+                                    CHUNK=chunk, num_warps=4)
         _write_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, out, scalar_k, n, width, fill, rows.stride(0),
-                            out.stride(0), LEVELS=levels, KEY_BITS=key_bits, PER_ROW=per_row, CHUNK=chunk,
-                            BLOCK_C=triton.next_power_of_2(grid[1]), BLOCK_W=triton.next_power_of_2(width), num_warps=4)
+                            out.stride(0), LEVELS=levels, KEY_BITS=key_bits, DROP_BITS=drop_bits, PER_ROW=per_row,
+                            CHUNK=chunk, BLOCK_C=triton.next_power_of_2(grid[1]), BLOCK_W=triton.next_power_of_2(width),
+                            num_warps=4)
     else:
         block = triton.next_power_of_2(max(n, 16))
         _row_in_registers_kernel[(rows.shape[0],)](
             rows, ks, out, 0 if per_row else k, n, width, fill, rows.stride(0), out.stride(0), KEY_BITS=key_bits,
-            PER_ROW=per_row, BLOCK=block, BLOCK_W=triton.next_power_of_2(width), num_warps=max(1, min(8, block // 512)))
+            DROP_BITS=drop_bits, PER_ROW=per_row, BLOCK=block, BLOCK_W=triton.next_power_of_2(width),
+            num_warps=max(1, min(8, block // 512)))
     return out.view(*values.shape[:-1], width)
