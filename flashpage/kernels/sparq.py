@@ -14,7 +14,7 @@ sum, instead of every key and value:
    probabilities are fp16: half the bytes, and ranked by their top 10 bits, two 5-bit digits for the select
    instead of seven (sums within about 3% of each other tie, the first positions taken). Ranking in fp16 can swap
    keys tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median) against
-   SparQ's 21% from dense attention, and the 10 bits' perplexity equals the full fp16 ranking's
+   SparQ's 21% from dense attention, and the 10 bits' perplexity is the full fp16 ranking's within 0.1 points
    (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
