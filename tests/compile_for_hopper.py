@@ -108,8 +108,8 @@ def main() -> None:
             tri.top_k_positions(values, 5)
             tri.top_k_positions(values, torch.full((3,), 4), 6, 50, torch.int64)
             tri.top_k_positions(values.repeat(1, 100), 300)  # (rows past MAX_ROW: the chunked select)
-            tri.top_k_positions(values.repeat(1, 100), 300, drop_bits=5)  # (fewer digits: SparQ's fp16 sums)
-            tri.top_k_positions(values, 5, drop_bits=5)
+            tri.top_k_positions(values.repeat(1, 100), 300, drop_bits=10)  # (one digit: SparQ's fp16 sums)
+            tri.top_k_positions(values, 5, drop_bits=10)
             chunk, topk.CHUNK = topk.CHUNK, topk.SHORT_CHUNK  # (its chunks where rows are few on a GPU)
             tri.top_k_positions(values.repeat(1, 100), 300)
             topk.CHUNK = chunk

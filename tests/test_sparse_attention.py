@@ -223,9 +223,15 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         monkeypatch.setattr(sparq, "AGGREGATE_KEYS", 32)  # the tail summed over many programs, added 4 at a time
         monkeypatch.setattr(sparq, "TAIL_ROWS", 4)
         # the select's histograms come unzeroed (poisoned here): the scores kernel zeroes them
-        unzeroed = sparq.digit_histograms
-        monkeypatch.setattr(sparq, "digit_histograms", lambda values, zeroed=True, drop_bits=0: unzeroed(
-            values, zeroed, drop_bits).fill_(0 if zeroed else 12345))
+        unzeroed = sparq.digit_counts
+
+        def poisoned(values, chunk, zeroed=True, drop_bits=0):  # (the chunks' counts are written whole: poisoned too)
+            counts = unzeroed(values, chunk, zeroed, drop_bits)
+            counts.hist.fill_(0 if zeroed else 12345)
+            counts.chunk_hist.fill_(-999)
+            counts.chunk_above.fill_(-999)
+            return counts
+        monkeypatch.setattr(sparq, "digit_counts", poisoned)
     check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes))
     cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis, axes)
     cache.sparq_query_basis = query_basis
@@ -595,16 +601,17 @@ def mass_by_hand(q, keys, q_pos, pattern, first, candidates):
 
 
 @triton.jit
-def _first_digits_kernel(Values, Hist, n, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _first_digits_kernel(Values, Hist, ChunkHist, ChunkAbove, n, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr,
+                         DROP_BITS: tl.constexpr, BLOCK: tl.constexpr):
     """A row's first digits, counted as a kernel that writes the values counts them (SparQ's aggregation)."""
     row = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     values = tl.load(Values + row * n + i, mask=i < n, other=-1.0)
-    topk.count_first_digits(Hist, row, values, i < n, LEVELS, KEY_BITS, DROP_BITS)
+    topk.count_first_digits(Hist, ChunkHist, ChunkAbove, row, tl.program_id(1), tl.num_programs(1), values, i < n,
+                            LEVELS, KEY_BITS, DROP_BITS)
 
 
-@pytest.mark.parametrize("drop_bits", [0, 5])
+@pytest.mark.parametrize("drop_bits", [0, 10])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(1, 1), (700, 0), (3000, 37), (2049, 2049), (300, 500)])
@@ -613,8 +620,9 @@ def test_top_k_positions(dtype, n, k, chunked, drop_bits, monkeypatch):
     histograms, also with its first digits counted by another kernel) against the reference: the same positions,
     first ones taken among equal values, in position order, the slots past k filled; and the reference's values are
     torch.topk's. Rows hold values past a sequence's end (-1, -inf), ties, zeros, values from 0 to 3 (the first
-    digit of a float32 changes at 2), and a row below zero throughout; k per row too. With drop_bits the values
-    rank by their bits less the lowest five (SparQ's fp16 sums drop five): many more ties."""
+    digit of a float32 changes at 2), infinity beside 40,000 (whose fp16 exponent is the largest finite one), and a
+    row below zero throughout; k per row too. With drop_bits the values rank by their bits less the lowest five or
+    ten (SparQ's fp16 sums drop ten, all but the exponent, one radix digit): many more ties."""
     if chunked:  # (on a GPU these few rows take the short chunks)
         monkeypatch.setattr(topk, "MAX_ROW", 0)
         monkeypatch.setattr(topk, "CHUNK", 256)
@@ -626,12 +634,18 @@ def test_top_k_positions(dtype, n, k, chunked, drop_bits, monkeypatch):
     values[1, 0] = float("-inf")
     values[1, 1, ::7] = 0.0
     values[2, 0] *= 3
-    for ks in (k, torch.randint(0, k + 2, (3, 2), device=DEVICE)):
+    values[2, 1, 3:6] = torch.tensor([40000.0, 1.0, float("inf")])[:max(n - 3, 0)]
+    per_row = torch.randint(0, k + 2, (3, 2), device=DEVICE)
+    per_row[2, 1] = 1  # infinity, or the 40,000 before it where they tie
+    for ks in (k, per_row):
         want = ref.top_k_positions(values, ks, k + 3, -7, drop_bits=drop_bits)
         assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7, drop_bits=drop_bits), want)
         if chunked:
-            digits = topk.digit_histograms(values, drop_bits=drop_bits)
-            _first_digits_kernel[(6, triton.cdiv(n, 128))](values, digits, n, LEVELS=digits.shape[1],
+            digits = topk.digit_counts(values, 128, drop_bits=drop_bits)
+            digits.chunk_hist.fill_(-999)  # (poisoned: written whole where the first digit is the only one)
+            digits.chunk_above.fill_(-999)
+            _first_digits_kernel[(6, triton.cdiv(n, 128))](values, digits.hist, digits.chunk_hist, digits.chunk_above,
+                                                           n, LEVELS=digits.levels,
                                                            KEY_BITS=8 * values.element_size(), DROP_BITS=drop_bits,
                                                            BLOCK=128)
             assert torch.equal(tri.top_k_positions(values, ks, k + 3, -7, first_digits=digits, drop_bits=drop_bits),
@@ -644,7 +658,8 @@ def test_top_k_positions(dtype, n, k, chunked, drop_bits, monkeypatch):
             elif len(taken) and row[taken].min() >= 0:  # dropped bits tell apart no less than 2 ** (5 - mantissa)
                 least = row[taken].float().min()
                 rel = 2.0 ** (drop_bits - (10 if dtype == torch.float16 else 23))
-                assert (row.float() > least * (1 + 2 * rel)).sum() < len(taken)
+                finite = row.float().nan_to_num(posinf=0.0)  # (infinity may tie with the largest exponent)
+                assert (finite > least * (1 + 2 * rel)).sum() < len(taken)
         if isinstance(ks, torch.Tensor):
             assert torch.equal((want >= 0).sum(-1), ks.clamp(max=n))
         narrow = ref.top_k_positions(values, ks, k // 2 + 1, -7, drop_bits=drop_bits)  # k over width: the largest

@@ -79,14 +79,17 @@ def top_k_positions(values, k, width=None, fill=0, dtype=torch.int32, drop_bits=
     """The positions of the k largest of each row of values [..., n], in position order: [..., width] (width = k
     by default), the slots past a row's k set to fill; a k over width takes the width largest. Non-negative floats
     rank as themselves (with drop_bits, as their bits less that many of the lowest), anything below zero under
-    them; of equal values the first positions are taken. k: an int, or a tensor of one per row."""
+    them; of equal values the first positions are taken (with drop_bits, ranks stop at the kernels' largest key:
+    ranked by an fp16's exponent alone, infinity ties with the largest finite one). k: an int, or a tensor of one
+    per row."""
     n = values.shape[-1]
     width = width if width is not None else k
     ks = k if isinstance(k, torch.Tensor) else torch.full(values.shape[:-1], k, device=values.device)
     ranked = values.double()
     if drop_bits:
         bits = values.view({2: torch.int16, 4: torch.int32}[values.element_size()]).long()
-        ranked = ((bits & (2 ** (8 * values.element_size()) - 1)) >> drop_bits).double()
+        top = 2 ** (8 * values.element_size() - 1 - drop_bits) - 2  # (`topk._key` ranks from 1, 0 below zero)
+        ranked = ((bits & (2 ** (8 * values.element_size()) - 1)) >> drop_bits).clamp(max=top).double()
     ranked = torch.where(values >= 0, ranked, -1.0)  # (NaN too goes under)
     order = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :width]
     taken = torch.arange(order.shape[-1], device=values.device) < ks[..., None].clamp(max=n)

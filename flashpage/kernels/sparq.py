@@ -11,11 +11,11 @@ sum, instead of every key and value:
 3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
    keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
    `top_k_positions` (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed
-   probabilities are fp16: half the bytes, and ranked by their top 10 bits, two 5-bit digits for the select
-   instead of seven (sums within about 3% of each other tie, the first positions taken). Ranking in fp16 can swap
-   keys tied within its rounding; on SmolLM2's own activations that moved the output 0.2% (median) against
-   SparQ's 21% from dense attention, and the 10 bits' perplexity is the full fp16 ranking's within 0.1 points
-   (docs/kernel-notes.md);
+   probabilities are fp16: half the bytes, and ranked by their exponent alone, one 5-bit digit, so that the
+   select is a single launch, its write (sums within a factor of two of each other tie, the first positions
+   taken). Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own activations that moved the
+   output 0.2% (median) against SparQ's 21% from dense attention, and the exponent's perplexity is the full fp16
+   ranking's within 0.1 points (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
@@ -39,14 +39,14 @@ from flashpage.kernels import topk
 from flashpage.kernels.attention import tile_dot
 from flashpage.kernels.device import interpreting, sm_count
 from flashpage.kernels.quantize import to_e4m3
-from flashpage.kernels.topk import count_first_digits, digit_histograms, top_k_positions
+from flashpage.kernels.topk import count_first_digits, digit_counts, top_k_positions
 
 _LOG2E = 1.4426950408889634
 AGGREGATE_KEYS = 1024  # keys per aggregation program
 TAIL_ROWS = 64  # the aggregation programs' sums of the tail that the combine adds at a time
-# fp16 sums rank by their top 10 of 15 bits (within about 3% a tie, taken first position first): two radix digits
-# of the select, one launch fewer than three (docs/kernel-notes.md)
-FP16_DROP_BITS = 5
+# fp16 sums rank by their exponent alone (within a factor of two a tie, taken first position first): one radix
+# digit, which the aggregation counts, and the select's one launch is its write (docs/kernel-notes.md)
+FP16_DROP_BITS = 10
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # integers of so many bytes
 
 
@@ -185,14 +185,15 @@ def _byte_as_e4m3(word, j):
 
 
 @triton.jit
-def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, PartTail, Digits, num_kv_heads, max_keys,
-               recent, stride_lb, stride_lh, stride_ab, stride_ah, stride_bt, stride_vblock, stride_vhead, stride_vtok,
+def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, PartTail, Digits, ChunkDigits,
+               ChunkAbove, num_kv_heads, max_keys, recent, stride_lb, stride_lh, stride_ab, stride_ah, stride_bt,
+               stride_vblock, stride_vhead, stride_vtok,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                BLOCK: tl.constexpr, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr,
                PAGE_SIZE: tl.constexpr, AXES: tl.constexpr, WORD: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end, infinity for
     its last `recent` keys), and the top-k select's first digits of them (LEVELS of digits, 0 where the select
-    needs none); with AXES, each head's sum over this program's keys of approximate probability times the values'
+    needs none; with one, also this program's own counts, ChunkDigits and ChunkAbove); with AXES, each head's sum over this program's keys of approximate probability times the values'
     coordinates (PartTail, one row per program: the combine sums them), from VTWords, the copy `v_t` viewed as
     words of WORD bytes."""
     b = tl.program_id(0)
@@ -214,7 +215,8 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
     agg = tl.where(ok & (n >= n_keys - recent), float("inf"), agg).to(Agg.dtype.element_ty)
     tl.store(Agg + b * stride_ab + h * stride_ah + n, agg, mask=n < max_keys)
     if LEVELS > 0:
-        count_first_digits(Digits, b * num_kv_heads + h, agg, n < max_keys, LEVELS, KEY_BITS, DROP_BITS)
+        count_first_digits(Digits, ChunkDigits, ChunkAbove, b * num_kv_heads + h, chunk, tl.num_programs(2), agg,
+                           n < max_keys, LEVELS, KEY_BITS, DROP_BITS)
     if AXES > 0:  # a key's coordinates are one run of AXES bytes; past the end the copy may hold NaNs: masked
         block = tl.load(BlockTable + b * stride_bt + n // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         words = VTWords + (block * stride_vblock + h * stride_vhead + (n % PAGE_SIZE) * stride_vtok) // WORD
@@ -453,10 +455,11 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     # rows the select holds in registers need none (`topk.MAX_ROW`)
     agg = torch.empty(batch, hkv, max_keys, dtype=kept, device=dev)
     drop_bits = FP16_DROP_BITS if kept == torch.float16 else 0
-    digits = digit_histograms(agg, zeroed=False, drop_bits=drop_bits) if max_keys > topk.MAX_ROW else None
-    digit_cells = 0 if digits is None else digits[0].numel()
+    digits = (digit_counts(agg, AGGREGATE_KEYS, zeroed=False, drop_bits=drop_bits) if max_keys > topk.MAX_ROW
+              else None)
+    digit_cells = 0 if digits is None else digits.hist[0].numel()
     _approximate_scores[(batch, hkv, score_splits)](
-        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits, scale,
+        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits.hist, scale,
         hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
         *key_strides, GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
         HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
@@ -479,10 +482,10 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     vt_words = vt.view(_WORDS[word])
     _aggregate[(batch, hkv, chunks)](
         logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt_words, part_tail,
-        agg if digits is None else digits, hkv, max_keys, recent, logits.stride(0), logits.stride(1), agg.stride(0),
+        *((agg,) * 3 if digits is None else (digits.hist, digits.chunk_hist, digits.chunk_above)), hkv, max_keys, recent, logits.stride(0), logits.stride(1), agg.stride(0),
         agg.stride(1), block_table.stride(0), *vt_strides, GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
         BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=AGGREGATE_KEYS,
-        LEVELS=0 if digits is None else digits.shape[1], KEY_BITS=8 * agg.element_size(), DROP_BITS=drop_bits,
+        LEVELS=0 if digits is None else digits.levels, KEY_BITS=8 * agg.element_size(), DROP_BITS=drop_bits,
         PAGE_SIZE=page, AXES=axes, WORD=word, num_warps=4)
     chosen = top_k_positions(agg, num_chosen, first_digits=digits, drop_bits=drop_bits)
     # 4. exact attention over them

@@ -16,9 +16,14 @@ The values are probabilities and block masses: non-negative floats order as thei
 (SparQ's -1 past a sequence's end, a mass's -inf where a row has no more candidates) ranks under every
 non-negative value, and is taken, first positions first, only where a row holds fewer than k of those.
 `drop_bits` ranks the values by their bits less that many of the lowest: values that then agree are ties (SparQ's
-fp16 sums rank by their top 10 bits, two radix digits instead of three)."""
+fp16 sums rank by their exponent alone, one radix digit instead of three; infinity then ties with the largest
+finite exponent). Where one digit is all a key has, the kernel that counts it for the select (`count_first_digits`)
+also keeps each of its chunks' counts, and the select is one launch: the write."""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,12 +46,13 @@ _BINS = tl.constexpr(2**RADIX_BITS)
 
 @triton.jit
 def _key(x, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr):
-    """x's rank as an integer: its bits but the lowest DROP_BITS, plus one, where x >= 0, else 0."""
+    """x's rank as an integer under 2 ** (KEY_BITS - 1 - DROP_BITS): its bits but the lowest DROP_BITS, plus one,
+    where x >= 0, else 0 (the largest rank, where the plus one would reach that bound, is infinity's too)."""
     if KEY_BITS == 16:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     else:
         bits = x.to(tl.int32, bitcast=True)
-    return tl.where(x >= 0, (bits >> DROP_BITS) + 1, 0)
+    return tl.where(x >= 0, tl.minimum((bits >> DROP_BITS) + 1, (1 << (KEY_BITS - 1 - DROP_BITS)) - 1), 0)
 
 
 @triton.jit
@@ -110,13 +116,25 @@ def _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS: tl.constexpr, DROP_BITS: t
 
 
 @triton.jit
-def count_first_digits(Hist, row, values, ok, LEVELS: tl.constexpr, KEY_BITS: tl.constexpr,
-                       DROP_BITS: tl.constexpr):
+def _store_chunk_counts(ChunkHist, ChunkAbove, at, counts, above_prefix):
+    """A chunk's counts of the last digit, and of its keys above each value of that digit (above_prefix: those
+    above the digits before it): what the write needs of the chunks before its own."""
+    tl.store(ChunkHist + at, counts)
+    tl.store(ChunkAbove + at, above_prefix + tl.sum(counts, 0) - tl.cumsum(counts, 0))
+
+
+@triton.jit
+def count_first_digits(Hist, ChunkHist, ChunkAbove, row, chunk, num_chunks, values, ok, LEVELS: tl.constexpr,
+                       KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr):
     """Adds the first digits of a row's values (where ok) to its histogram: a kernel that writes the values counts
-    them as it does (`first_digits` of `top_k_positions`), saving that launch's read."""
+    them as it does (`FirstDigits`), saving that launch's read. Where that digit is the only one, it also keeps
+    the counts of this program's values, chunk `chunk` of the row's `num_chunks`."""
     key = _key(values, KEY_BITS, DROP_BITS)
     counts = tl.histogram(key >> (_RADIX_BITS * (LEVELS - 1)), _BINS, mask=ok)
-    tl.atomic_add(Hist + row * LEVELS * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0)
+    bins = tl.arange(0, _BINS)
+    tl.atomic_add(Hist + row * LEVELS * _BINS + bins, counts, mask=counts > 0)
+    if LEVELS == 1:
+        _store_chunk_counts(ChunkHist, ChunkAbove, (row * num_chunks + chunk) * _BINS + bins, counts, 0)
 
 
 @triton.jit
@@ -129,6 +147,7 @@ def _histogram_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, k, n, stride_v, L
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, DROP_BITS, PER_ROW, CHUNK)
     shift = _RADIX_BITS * (LEVELS - 1 - LEVEL)
     ok = key >= 0
+    prefix = 0
     if LEVEL > 0:
         prefix, _ = _threshold(Hist, row, k, LEVEL, LEVELS)
         ok &= (key >> (shift + _RADIX_BITS)) == prefix
@@ -136,22 +155,23 @@ def _histogram_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, k, n, stride_v, L
     bins = tl.arange(0, _BINS)
     tl.atomic_add(Hist + (row * LEVELS + LEVEL) * _BINS + bins, counts, mask=counts > 0)
     if LEVEL == LEVELS - 1:
-        at = (row * tl.num_programs(1) + tl.program_id(1)) * _BINS + bins
-        tl.store(ChunkHist + at, counts)
         above_prefix = tl.sum(((key >> _RADIX_BITS) > prefix).to(tl.int32), 0)
-        tl.store(ChunkAbove + at, above_prefix + tl.sum(counts, 0) - tl.cumsum(counts, 0))
+        _store_chunk_counts(ChunkHist, ChunkAbove, (row * tl.num_programs(1) + tl.program_id(1)) * _BINS + bins,
+                            counts, above_prefix)
 
 
 @triton.jit
-def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fill, stride_v, stride_o,
+def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fill, num_counted, stride_v, stride_o,
                   LEVELS: tl.constexpr, KEY_BITS: tl.constexpr, DROP_BITS: tl.constexpr, PER_ROW: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+                  CHUNK: tl.constexpr, COUNTED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Writes the positions of the chunk's taken keys. ChunkHist and ChunkAbove hold the counts of chunks of
+    COUNTED keys (num_counted to a row), a divisor of CHUNK."""
     row, k, i, key = _chunk_keys(Values, Ks, k, n, stride_v, KEY_BITS, DROP_BITS, PER_ROW, CHUNK)
     threshold, want = _threshold(Hist, row, k, LEVELS, LEVELS)
     # the keys above the threshold and equal to it in the chunks before this one
     c = tl.arange(0, BLOCK_C)
-    before = c < tl.program_id(1)
-    at = (row * tl.num_programs(1) + c) * _BINS + (threshold & (_BINS - 1))
+    before = c < tl.program_id(1) * (CHUNK // COUNTED)
+    at = (row * num_counted + c) * _BINS + (threshold & (_BINS - 1))
     above_before = tl.sum(tl.load(ChunkAbove + at, mask=before, other=0), 0)
     ties_before = tl.sum(tl.load(ChunkHist + at, mask=before, other=0), 0)
     room = tl.maximum(want - ties_before, 0)  # the ties this chunk may still take, its first ones
@@ -170,20 +190,42 @@ def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fil
         tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
-def digit_histograms(values: torch.Tensor, zeroed: bool = True, drop_bits: int = 0) -> torch.Tensor:
-    """Histograms for `top_k_positions(values, ..., first_digits=, drop_bits=)`: [rows, levels, bins], zeroed, or
-    with zeroed=False left for a kernel that runs before them to zero."""
-    rows = values[..., 0].numel()
-    return (torch.zeros if zeroed else torch.empty)(rows, _levels(8 * values.element_size(), drop_bits),
-                                                    2**RADIX_BITS, dtype=torch.int32, device=values.device)
+@dataclass
+class FirstDigits:
+    """The first digits of a select's values, counted by the kernel that writes the values (`count_first_digits`)
+    for `top_k_positions(..., first_digits=)`: `hist` [rows, levels, bins], each row's histograms (the first
+    level counted, the others zeroed); where one digit is all a key has, also `chunk_hist` and `chunk_above`
+    [rows, chunks, bins], each chunk of `chunk` values' own counts (the select's chunks must be multiples of it)."""
+
+    hist: torch.Tensor
+    chunk_hist: torch.Tensor
+    chunk_above: torch.Tensor
+    chunk: int
+
+    @property
+    def levels(self) -> int:
+        return self.hist.shape[1]
+
+
+def digit_counts(values: torch.Tensor, chunk: int, zeroed: bool = True, drop_bits: int = 0) -> FirstDigits:
+    """Room for the counts of a kernel that writes `values` in programs of `chunk` of a row's values: histograms
+    zeroed, or with zeroed=False left for a kernel that runs before them to zero."""
+    rows, n = values[..., 0].numel(), values.shape[-1]
+    levels = _levels(8 * values.element_size(), drop_bits)
+    hist = (torch.zeros if zeroed else torch.empty)(rows, levels, 2**RADIX_BITS, dtype=torch.int32,
+                                                    device=values.device)
+    chunks = triton.cdiv(n, chunk) if levels == 1 else 0
+    chunk_hist, chunk_above = (torch.empty(rows, chunks, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
+                               for _ in range(2))
+    return FirstDigits(hist, chunk_hist, chunk_above, chunk)
 
 
 def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int = 0,
-                    dtype: torch.dtype = torch.int32, first_digits: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.int32, first_digits: FirstDigits | None = None,
                     drop_bits: int = 0) -> torch.Tensor:
     """`reference.top_k_positions` (the same positions): [..., width] (width = k by default), the slots past a
     row's k set to fill; a k over width takes the width largest. k: an int, or a tensor of one per row.
-    first_digits: `digit_histograms(values, drop_bits=drop_bits)` with the values' first digits counted
+    first_digits: `digit_counts(values, ..., drop_bits=drop_bits)` with the values' first digits counted
     (`count_first_digits`), or None."""
     n = values.shape[-1]
     per_row = isinstance(k, torch.Tensor)
@@ -195,8 +237,8 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
     out = torch.empty(rows.shape[0], width, dtype=dtype, device=values.device)
     ks = k.reshape(-1) if per_row else out
     key_bits = 8 * values.element_size()
-    if not 0 <= drop_bits or _levels(key_bits, drop_bits) < 2:
-        raise ValueError(f"drop_bits must leave {values.dtype} keys two radix digits at least, got {drop_bits}")
+    if not 0 <= drop_bits < key_bits - 1:
+        raise ValueError(f"drop_bits must leave {values.dtype} keys a bit at least, got {drop_bits}")
     if rows.shape[0] == 0 or width == 0:
         pass
     elif n > MAX_ROW:
@@ -205,17 +247,22 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
             chunk = min(CHUNK, SHORT_CHUNK)
         grid = (rows.shape[0], triton.cdiv(n, chunk))
         levels = _levels(key_bits, drop_bits)
-        hist = digit_histograms(values, drop_bits=drop_bits) if first_digits is None else first_digits
-        chunk_hist = torch.empty(*grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
-        chunk_above = torch.empty_like(chunk_hist)
+        counts = digit_counts(values, chunk, drop_bits=drop_bits) if first_digits is None else first_digits
+        if levels > 1:  # the last digit's histogram launch keeps the counts of the select's own chunks
+            counts = dataclasses.replace(counts, chunk=chunk, **{name: torch.empty(
+                *grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device) for name in ("chunk_hist", "chunk_above")})
+        elif chunk % counts.chunk:
+            raise ValueError(f"first digits counted in chunks of {counts.chunk}: not a divisor of {chunk}")
         scalar_k = 0 if per_row else k
         for level in range(0 if first_digits is None else 1, levels):
-            _histogram_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, scalar_k, n, rows.stride(0), LEVEL=level,
-                                    LEVELS=levels, KEY_BITS=key_bits, DROP_BITS=drop_bits, PER_ROW=per_row,
-                                    CHUNK=chunk, num_warps=4)
-        _write_kernel[grid](rows, ks, hist, chunk_hist, chunk_above, out, scalar_k, n, width, fill, rows.stride(0),
-                            out.stride(0), LEVELS=levels, KEY_BITS=key_bits, DROP_BITS=drop_bits, PER_ROW=per_row,
-                            CHUNK=chunk, BLOCK_C=triton.next_power_of_2(grid[1]), BLOCK_W=triton.next_power_of_2(width),
+            _histogram_kernel[grid](rows, ks, counts.hist, counts.chunk_hist, counts.chunk_above, scalar_k, n,
+                                    rows.stride(0), LEVEL=level, LEVELS=levels, KEY_BITS=key_bits,
+                                    DROP_BITS=drop_bits, PER_ROW=per_row, CHUNK=chunk, num_warps=4)
+        num_counted = counts.chunk_hist.shape[1]
+        _write_kernel[grid](rows, ks, counts.hist, counts.chunk_hist, counts.chunk_above, out, scalar_k, n, width,
+                            fill, num_counted, rows.stride(0), out.stride(0), LEVELS=levels, KEY_BITS=key_bits,
+                            DROP_BITS=drop_bits, PER_ROW=per_row, CHUNK=chunk, COUNTED=counts.chunk,
+                            BLOCK_C=triton.next_power_of_2(num_counted), BLOCK_W=triton.next_power_of_2(width),
                             num_warps=4)
     else:
         block = triton.next_power_of_2(max(n, 16))
