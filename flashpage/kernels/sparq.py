@@ -14,8 +14,9 @@ sum, instead of every key and value:
    probabilities are fp16: half the bytes, and ranked by their exponent alone, one 5-bit digit, so that the
    select is a single launch, its write (sums within a factor of two of each other tie, the first positions
    taken). Ranking in fp16 can swap keys tied within its rounding; on SmolLM2's own activations that moved the
-   output 0.2% (median) against SparQ's 21% from dense attention, and the exponent's perplexity is the full fp16
-   ranking's within 0.1 points (docs/kernel-notes.md);
+   output 0.2% (median) against SparQ's 21% from dense attention; the exponent's perplexity on SmolLM2 was within
+   0.2 points of the full fp16 ranking's with the last keys always chosen, 0.4-0.9 points above it in the paper's
+   form (docs/kernel-notes.md);
 4. `_attend_chosen`: exact attention over the chosen keys, gathered row by row from the paged cache (Flash-
    Decoding splits over the chosen keys), and alpha, the approximate probability they hold;
 5. `_combine`: alpha * attention + (1 - alpha) * mean value (the last block's running sum / keys), per query
