@@ -194,9 +194,9 @@ def _aggregate(Logits, PartM, PartL, SeqLens, Agg, Lse, BlockTable, VTWords, Par
                PAGE_SIZE: tl.constexpr, AXES: tl.constexpr, WORD: tl.constexpr):
     """Each key's approximate probability summed over the group's heads (-1 past the sequence's end, infinity for
     its last `recent` keys), and the top-k select's first digits of them (LEVELS of digits, 0 where the select
-    needs none; with one, also this program's own counts, ChunkDigits and ChunkAbove); with AXES, each head's sum over this program's keys of approximate probability times the values'
-    coordinates (PartTail, one row per program: the combine sums them), from VTWords, the copy `v_t` viewed as
-    words of WORD bytes."""
+    needs none; with one, also this program's own counts, ChunkDigits and ChunkAbove); with AXES, each head's sum
+    over this program's keys of approximate probability times the values' coordinates (PartTail, one row per
+    program: the combine sums them), from VTWords, the copy `v_t` viewed as words of WORD bytes."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -460,8 +460,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
               else None)
     digit_cells = 0 if digits is None else digits.hist[0].numel()
     _approximate_scores[(batch, hkv, score_splits)](
-        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits.hist, scale,
-        hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
+        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits.hist,
+        scale, hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
         *key_strides, GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
         HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         DIGIT_CELLS=digit_cells, BLOCK_DC=triton.next_power_of_2(max(digit_cells, 1)), num_warps=score_warps,
@@ -483,9 +483,10 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     vt_words = vt.view(_WORDS[word])
     _aggregate[(batch, hkv, chunks)](
         logits, part_m, part_l, seq_lens_k, agg, lse, block_table, vt_words, part_tail,
-        *((agg,) * 3 if digits is None else (digits.hist, digits.chunk_hist, digits.chunk_above)), hkv, max_keys, recent, logits.stride(0), logits.stride(1), agg.stride(0),
-        agg.stride(1), block_table.stride(0), *vt_strides, GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits,
-        BLOCK_S=triton.next_power_of_2(score_splits), BLOCK=AGGREGATE_KEYS,
+        *((agg,) * 3 if digits is None else (digits.hist, digits.chunk_hist, digits.chunk_above)), hkv, max_keys,
+        recent, logits.stride(0), logits.stride(1), agg.stride(0), agg.stride(1), block_table.stride(0), *vt_strides,
+        GROUP=group, GROUP_PAD=group_pad, NUM_SPLITS=score_splits, BLOCK_S=triton.next_power_of_2(score_splits),
+        BLOCK=AGGREGATE_KEYS,
         LEVELS=0 if digits is None else digits.levels, KEY_BITS=8 * agg.element_size(), DROP_BITS=drop_bits,
         PAGE_SIZE=page, AXES=axes, WORD=word, num_warps=4)
     chosen = top_k_positions(agg, num_chosen, first_digits=digits, drop_bits=drop_bits)

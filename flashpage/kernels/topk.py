@@ -23,7 +23,6 @@ also keeps each of its chunks' counts, and the select is one launch: the write."
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -190,7 +189,7 @@ def _write_kernel(Values, Ks, Hist, ChunkHist, ChunkAbove, Out, k, n, width, fil
         tl.store(Out + row * stride_o + j, fill, mask=(j >= k) & (j < width))
 
 
-@dataclass
+@dataclasses.dataclass
 class FirstDigits:
     """The first digits of a select's values, counted by the kernel that writes the values (`count_first_digits`)
     for `top_k_positions(..., first_digits=)`: `hist` [rows, levels, bins], each row's histograms (the first
@@ -249,8 +248,9 @@ def top_k_positions(values: torch.Tensor, k, width: int | None = None, fill: int
         levels = _levels(key_bits, drop_bits)
         counts = digit_counts(values, chunk, drop_bits=drop_bits) if first_digits is None else first_digits
         if levels > 1:  # the last digit's histogram launch keeps the counts of the select's own chunks
-            counts = dataclasses.replace(counts, chunk=chunk, **{name: torch.empty(
-                *grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device) for name in ("chunk_hist", "chunk_above")})
+            counts = dataclasses.replace(counts, chunk=chunk, **{
+                name: torch.empty(*grid, 2**RADIX_BITS, dtype=torch.int32, device=values.device)
+                for name in ("chunk_hist", "chunk_above")})
         elif chunk % counts.chunk:
             raise ValueError(f"first digits counted in chunks of {counts.chunk}: not a divisor of {chunk}")
         scalar_k = 0 if per_row else k
