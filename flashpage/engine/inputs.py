@@ -18,6 +18,7 @@ from flashpage.kernels.block_sparse import BlockChoice, BlockSparsePattern, Spli
 from flashpage.kernels.tree import tree_mask
 from flashpage.kv import slot
 from flashpage.model import AttentionMetadata
+from flashpage.model.attention import DecodeSplit
 
 
 _ARRAY_TYPES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
@@ -75,17 +76,29 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
     width = max(len(s.block_table) for s in seqs)
     table = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))] + [0] * (padding * width)
     n = len(tokens)
-    packed = upload(tokens + positions + slots + seq_lens + cu + table + deferred, torch.int64, device)
-    ids, positions_t, slots_t, lens_t, cu_t, table_t, deferred_t = packed.split(
-        [n, n, n, rows, rows + 1, rows * width, len(deferred)])
-    meta = AttentionMetadata(cu_t.int(), lens_t.int(), q_len or max(len(s.token_ids) for s in seqs), positions_t,
-                             slots_t, table_t.int().view(rows, width))
+    # A mixed step's leading decoding sequences attend apart from the rest (DecodeSplit), unless a block-sparse
+    # pattern makes the step's view; the rest's cu_seqlens_q is counted from its own first row.
+    decoding = 0 if padding or q_len or pattern is not None else next(
+        (i for i, s in enumerate(seqs) if len(s.token_ids) != 1), len(seqs))
+    rest_cu = [c - decoding for c in cu[decoding:]] if 0 < decoding < len(seqs) else []
+    packed = upload(tokens + positions + slots + seq_lens + cu + table + deferred + rest_cu, torch.int64, device)
+    ids, positions_t, slots_t, lens_t, cu_t, table_t, deferred_t, rest_cu_t = packed.split(
+        [n, n, n, rows, rows + 1, rows * width, len(deferred), len(rest_cu)])
+    cu_t, lens_t, table_t = cu_t.int(), lens_t.int(), table_t.int().view(rows, width)
+    meta = AttentionMetadata(cu_t, lens_t, q_len or max(len(s.token_ids) for s in seqs), positions_t,
+                             slots_t, table_t)
     if masked or any(s.tree for s in seqs):  # token trees: their rows' bits; every other row sees causally (-1)
         bits = []
         for s in seqs:
             pad = q_len - len(s.token_ids) if q_len else 0
             bits += [-1] * pad + (tree_mask(s.tree, pad) if s.tree else [-1] * len(s.token_ids))
         meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
+    if rest_cu:
+        meta.decode_split = DecodeSplit(decoding, AttentionMetadata(
+            cu_t[:decoding + 1], lens_t[:decoding], 1, positions=None, block_table=table_t[:decoding]),
+            AttentionMetadata(rest_cu_t.int(), lens_t[decoding:], max(len(s.token_ids) for s in seqs[decoding:]),
+                              positions=None, block_table=table_t[decoding:],
+                              query_mask=None if meta.query_mask is None else meta.query_mask[decoding:]))
     if pattern is not None and any(len(s.token_ids) > 1 for s in seqs):  # (decoding alone stays dense)
         split = pattern.split([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs], block_size)
         meta.block_sparse = block_sparse_view(pattern, split, device)

@@ -35,6 +35,8 @@ class AttentionMetadata:
     block_sparse: AttentionMetadata | None = None
     # In that view, the key blocks each layer chooses per KV head (`flashpage.kernels.block_sparse.BlockChoice`)
     block_choice: object | None = None
+    # A step whose first sequences decode one token each while the others prefill (`DecodeSplit`)
+    decode_split: DecodeSplit | None = None
 
     @classmethod
     def prefill(cls, seq_lens: list[int], device: torch.device | str = "cpu",
@@ -46,6 +48,19 @@ class AttentionMetadata:
             positions = torch.cat([torch.arange(n) for n in seq_lens]) if seq_lens else torch.zeros(0, dtype=torch.int64)
         return cls(cu.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), max(seq_lens, default=0),
                    positions.to(device))
+
+
+@dataclass
+class DecodeSplit:
+    """A mixed step's two halves, attended apart: the first `rows` sequences decode one query each (the scheduler
+    puts running sequences first, oldest first, so decoding ones lead), the rest prefill. In one call the decoding
+    rows would ride in the prefill kernel's query tiles, four rows of a 128-row tile under GQA 4, each such item a
+    short chain of key tiles: in the offline run's mixed steps (some 450 decoding rows beside 15k prompt tokens)
+    that took 1.0 ms a layer in bf16 and 1.4 ms over an FP8 cache, where the decode kernel reads the same keys in
+    a fraction of it (docs/kernel-notes.md)."""
+    rows: int
+    decode: AttentionMetadata  # rows [0, rows): one query per sequence
+    rest: AttentionMetadata  # rows [rows, T), cu_seqlens_q counted from 0
 
 
 def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionMetadata, scale: float,
@@ -63,17 +78,32 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
     if kv_cache.k_t is not None:
         ops.write_sparq_copies(k, kv_cache, meta.slot_mapping, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k)
     sparse = meta.sparse if meta.sparse is not None and meta.sparse.method == "sparq" else None
+    split = meta.decode_split
+    if split is None:
+        return _attend(ops, q, kv_cache, meta, sparse, scale, window, torch.empty_like(q))
+    out = torch.empty_like(q)
+    n = split.rows
+    _attend(ops, q[:n], kv_cache, split.decode, sparse, scale, window, out[:n])
+    _attend(ops, q[n:], kv_cache, split.rest, sparse, scale, window, out[n:])
+    return out
+
+
+def _attend(ops, q, kv_cache: KVCache, meta: AttentionMetadata, sparse, scale: float, window, out):
+    """Attention of queries whose keys are cached (written already) into `out`: SparQ for decoding rows (and
+    prompts with `sparse.prompt`) where `sparse` is given, else the paged kernels (through a block-sparse view
+    where the step has one)."""
     if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                    meta.max_seqlen_q, r=sparse.r, k=sparse.k, recent=sparse.recent,
-                                   softmax_scale=scale)
+                                   softmax_scale=scale, out=out)
     view = meta.block_sparse if meta.block_sparse is not None else meta
     table = view.block_table
     if view.block_choice is not None:  # this layer's keys are cached: choose each KV head's blocks from them
         table = choose_blocks(ops, q, kv_cache, meta.block_table, table, view.block_choice, scale)
     out = ops.paged_attention(q, kv_cache, table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q,
-                              causal=True, softmax_scale=scale, window_size=window, query_mask=meta.query_mask)
-    if sparse is not None:  # a step that prefills some sequences and decodes others: SparQ for the decoding ones
+                              causal=True, softmax_scale=scale, window_size=window, query_mask=meta.query_mask,
+                              out=out)
+    if sparse is not None:  # prefilling and decoding sequences in one call: SparQ for the decoding ones
         cu = meta.cu_seqlens_q
         decoding = ((cu[1:] - cu[:-1]) == 1).nonzero()[:, 0]
         if decoding.numel():
