@@ -94,11 +94,14 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
             bits += [-1] * pad + (tree_mask(s.tree, pad) if s.tree else [-1] * len(s.token_ids))
         meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
     if rest_cu:
+        # (the rest's tensors copied, not viewed: Triton compiles a kernel again for a pointer that is not 16-byte
+        # aligned, and a view's alignment would follow the number of decoding sequences)
         meta.decode_split = DecodeSplit(decoding, AttentionMetadata(
             cu_t[:decoding + 1], lens_t[:decoding], 1, positions=None, block_table=table_t[:decoding]),
-            AttentionMetadata(rest_cu_t.int(), lens_t[decoding:], max(len(s.token_ids) for s in seqs[decoding:]),
-                              positions=None, block_table=table_t[decoding:],
-                              query_mask=None if meta.query_mask is None else meta.query_mask[decoding:]))
+            AttentionMetadata(rest_cu_t.int(), lens_t[decoding:].clone(),
+                              max(len(s.token_ids) for s in seqs[decoding:]), positions=None,
+                              block_table=table_t[decoding:].clone(),
+                              query_mask=None if meta.query_mask is None else meta.query_mask[decoding:].clone()))
     if pattern is not None and any(len(s.token_ids) > 1 for s in seqs):  # (decoding alone stays dense)
         split = pattern.split([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs], block_size)
         meta.block_sparse = block_sparse_view(pattern, split, device)

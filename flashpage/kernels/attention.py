@@ -287,7 +287,9 @@ def _attend_sequence(
         tl.store(PartLse + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+# (the number of sequences and the block table's row stride vary from step to step in eager steps, and Triton would
+# compile a kernel for each of 1 / a multiple of 16 / other; their SASS is the same, by instruction counts)
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _attention_kernel(
     Q, K, V, KScale, VScale, Out, PartOut, PartLse,
     CuSeqlensQ, CuSeqlensK, SeqLensK, BlockTable, TreeMask,

@@ -43,7 +43,8 @@ def linear(x, weight, bias=None, *, norm_weight=None, eps=0.0, silu_mul=False, r
 
 
 def paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, *, causal=True,
-                    softmax_scale=None, window_size=(-1, -1), out=None, query_mask=None):
+                    softmax_scale=None, window_size=(-1, -1), num_splits=None, out=None, query_mask=None):
+    """(`num_splits` is taken and not used: the batch-invariant decode never splits.)"""
     return _attention.paged_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seqlen_q, causal=causal,
                                       softmax_scale=softmax_scale, window_size=window_size, batch_invariant=True,
                                       out=out, query_mask=query_mask)

@@ -83,15 +83,18 @@ def attention(ops, q, k, v, cos, sin, kv_cache: KVCache | None, meta: AttentionM
         return _attend(ops, q, kv_cache, meta, sparse, scale, window, torch.empty_like(q))
     out = torch.empty_like(q)
     n = split.rows
-    _attend(ops, q[:n], kv_cache, split.decode, sparse, scale, window, out[:n])
+    # (one program per decoding sequence and KV head, as the prefill kernel gave each: a mixed step's time is its
+    # prefill's, and a split count chosen per step would compile a decode kernel for each count it meets)
+    _attend(ops, q[:n], kv_cache, split.decode, sparse, scale, window, out[:n], num_splits=1)
     _attend(ops, q[n:], kv_cache, split.rest, sparse, scale, window, out[n:])
     return out
 
 
-def _attend(ops, q, kv_cache: KVCache, meta: AttentionMetadata, sparse, scale: float, window, out):
+def _attend(ops, q, kv_cache: KVCache, meta: AttentionMetadata, sparse, scale: float, window, out,
+            num_splits: int | None = None):
     """Attention of queries whose keys are cached (written already) into `out`: SparQ for decoding rows (and
     prompts with `sparse.prompt`) where `sparse` is given, else the paged kernels (through a block-sparse view
-    where the step has one)."""
+    where the step has one; `num_splits`: the decode's, else its own choice)."""
     if sparse is not None and (sparse.prompt or meta.max_seqlen_q == 1):
         return ops.sparq_attention(q, kv_cache, meta.block_table, meta.cu_seqlens_q, meta.seq_lens_k,
                                    meta.max_seqlen_q, r=sparse.r, k=sparse.k, recent=sparse.recent,
@@ -101,8 +104,8 @@ def _attend(ops, q, kv_cache: KVCache, meta: AttentionMetadata, sparse, scale: f
     if view.block_choice is not None:  # this layer's keys are cached: choose each KV head's blocks from them
         table = choose_blocks(ops, q, kv_cache, meta.block_table, table, view.block_choice, scale)
     out = ops.paged_attention(q, kv_cache, table, view.cu_seqlens_q, view.seq_lens_k, view.max_seqlen_q,
-                              causal=True, softmax_scale=scale, window_size=window, query_mask=meta.query_mask,
-                              out=out)
+                              causal=True, softmax_scale=scale, window_size=window, num_splits=num_splits,
+                              query_mask=meta.query_mask, out=out)
     if sparse is not None:  # prefilling and decoding sequences in one call: SparQ for the decoding ones
         cu = meta.cu_seqlens_q
         decoding = ((cu[1:] - cu[:-1]) == 1).nonzero()[:, 0]
