@@ -157,15 +157,17 @@ def test_warm_up_leaves_the_engine_idle_and_serving():
 
 def test_warm_up_on_a_gpu_also_prefills_a_long_prompt_and_samples_every_kernel_variant(monkeypatch):
     """(The Hopper prefill's tiles for long items compile then, not at a server's first long prompt; so do the
-    sampling kernels of every chunk count and filter use, not at the first request with the default sampling.)
-    On a CPU the warm-up stops short of both; the GPU's is simulated by the device name, which only the warm-up
-    reads here."""
+    sampling kernels of every chunk count and filter use, not at the first request with the default sampling; and
+    the decode kernel as a mixed step runs it, decoding sequences first beside a prompt: `DecodeSplit`,
+    tests/test_mixed_steps.py.) On a CPU the warm-up stops short of the first two; the GPU's is simulated by the
+    device name, which only the warm-up reads here."""
     for device, longest in (("cpu", 150), ("cuda", 2048)):
         engine = LLMEngine(EngineConfig.from_settings(**{**SETTINGS, "max_model_len": 2100}))
         engine.cfg = dataclasses.replace(engine.cfg, device=device)
-        step, ends = engine.runner.step, []  # where each step's prompt chunks end
+        step, ends, mixed = engine.runner.step, [], []  # where each step's prompt chunks end; mixed steps
         engine.runner.step = lambda plan, *a: ends.extend(
-            s.positions[-1] + 1 for s in plan.seqs if len(s.token_ids) > 1) or step(plan, *a)
+            s.positions[-1] + 1 for s in plan.seqs if len(s.token_ids) > 1) or mixed.append(
+            len(plan.seqs[0].token_ids) == 1 and any(len(s.token_ids) > 1 for s in plan.seqs)) or step(plan, *a)
         ops, drawn, penalised = engine.runner.model.ops, set(), set()
         sample, penalties, bitmask = ops.sample, ops.apply_penalties, ops.apply_token_bitmask
 
@@ -177,7 +179,7 @@ def test_warm_up_on_a_gpu_also_prefills_a_long_prompt_and_samples_every_kernel_v
         monkeypatch.setattr(ops, "apply_token_bitmask", lambda *a: penalised.add("mask") or bitmask(*a))
         engine.warm_up()
         monkeypatch.undo()
-        assert max(ends) == longest
+        assert max(ends) == longest and any(mixed)
         assert penalised == ({1, 16, 17, "mask"} if device == "cuda" else set())
         vocab, dev = engine.config.vocab_size, engine.runner.device
         every = {(num_chunks(rows, vocab, dev), f) for rows in range(1, engine.cfg.max_num_batched_tokens + 1)

@@ -202,7 +202,8 @@ class LLMEngine:
         server's first prefill otherwise waits seconds for Triton: 8 s on an H100 for llama-3-8b), and on a CPU
         the weights packed (kernels/cpu.py: 1.2 s for SmolLM2). Triton compiles a kernel again for integer
         arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of 16 tokens, then 3 of 23
-        tokens in all beside those 16 decoding, then one whose first block is cached (prefill after a prefix);
+        tokens in all beside those 16 decoding (a mixed step, whose decoding rows take the decode kernel as eager
+        mixed steps run it: `DecodeSplit`), then one whose first block is cached (prefill after a prefix);
         then, each alone in its step, prompts of 100 and 150 tokens, the other row classes of the FP8 linear
         kernel's tiles (kernels/linear.py; the decode graphs cover the multiples of 16); on a GPU, one of 2,048
         tokens, whose last prefill sees long items (the Hopper prefill's other tiles: kernels/hopper_prefill.py,
