@@ -85,3 +85,15 @@ def test_no_split_without_decoding_sequences_first():
     assert prepare_inputs(plan, PAGE, torch.device(DEVICE)).meta.decode_split is None
     plan.seqs = mixed_step().seqs[:3]  # decoding alone
     assert prepare_inputs(plan, PAGE, torch.device(DEVICE)).meta.decode_split is None
+
+
+@pytest.mark.parametrize("decoding", [1, 2, 3])
+def test_the_rests_tensors_are_16_byte_aligned(decoding):
+    """Triton compiles a kernel again for a pointer that is not 16-byte aligned: the rest's metadata (from
+    `paged_view`, as a block-sparse step's view) starts every tensor on 16 bytes whatever the batch's sizes."""
+    plan = mixed_step()
+    plan.seqs = plan.seqs[3 - decoding:]
+    rest = prepare_inputs(plan, PAGE, torch.device(DEVICE)).meta.decode_split.rest
+    tensors = [rest.cu_seqlens_q, rest.seq_lens_k, rest.block_table]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors), [t.data_ptr() % 16 for t in tensors]
+    assert rest.seq_lens_k.tolist() == [45, 30, 9] and rest.cu_seqlens_q.tolist() == [0, 25, 55, 56]

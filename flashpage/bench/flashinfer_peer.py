@@ -55,12 +55,15 @@ def paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, back
     return lambda: wrapper.run(q, (k_cache, v_cache))
 
 
-def decode(q, k_cache, v_cache, block_table, seq_lens):
-    """One query token per sequence, q [B, Hq, D], over a paged cache [blocks, page, Hkv, D] (NHD)."""
+def decode(q, k_cache, v_cache, block_table, seq_lens, tensor_cores: bool = True):
+    """One query token per sequence, q [B, Hq, D], over a paged cache [blocks, page, Hkv, D] (NHD) in q's dtype or
+    in e4m3 (read with scale 1). `tensor_cores=False`: its CUDA-core decode kernel."""
     import flashinfer
 
     page = k_cache.shape[1]
     indptr, indices, last = _paged_layout(block_table, seq_lens, page)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(q.device), "NHD", use_tensor_cores=True)
-    wrapper.plan(indptr, indices, last, q.shape[1], k_cache.shape[2], q.shape[2], page, q_data_type=q.dtype)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(q.device), "NHD",
+                                                            use_tensor_cores=tensor_cores)
+    wrapper.plan(indptr, indices, last, q.shape[1], k_cache.shape[2], q.shape[2], page, q_data_type=q.dtype,
+                 kv_data_type=k_cache.dtype)
     return lambda: wrapper.run(q, (k_cache, v_cache))

@@ -118,6 +118,17 @@ def flashinfer_times(fns: dict, ours: torch.Tensor) -> tuple[dict[str, float], d
     return times, diffs
 
 
+def peer_speedup(quantized: dict, bf16: dict) -> str:
+    """FlashInfer's best decode over the quantized cache, and its speedup over its own bf16 decode of the row's
+    shape (its answer to the same question), where it served both."""
+    theirs = {n: ms for n, ms in quantized.get("peers_ms", {}).items() if n.startswith("flashinfer")}
+    if not theirs or "flashinfer" not in bf16["peers_ms"]:
+        return ""
+    name, ms = min(theirs.items(), key=lambda kv: kv[1])
+    quantized["flashinfer_speedup_vs_bf16"] = bf16["peers_ms"]["flashinfer"] / ms
+    return f"   {name} {ms:.4f} ({bf16['peers_ms']['flashinfer']:.4f}): {quantized['flashinfer_speedup_vs_bf16']:.2f}x"
+
+
 def causal_flops(q_len: int, k_len: int) -> float:
     """Q Kᵀ and P V of q_len queries at the end of k_len keys, each seeing the keys up to its own position."""
     pairs = q_len * (k_len - q_len) + q_len * (q_len + 1) / 2
@@ -239,7 +250,13 @@ def bench_decode(batch: int, context: int, tiles=None, num_splits=None, kv_cache
          "rate": nbytes / ours / 1e9, "unit": "TB/s", "num_splits": splits}
     if tiles is None and num_splits is None:  # (not in sweeps)
         r["ms_per_layer"] = per_layer_ms(q, table, cu, lens, splits, kv_cache_dtype)
-    if kv_cache_dtype != "auto":  # compared with the bf16 cache's row of the same run
+    if kv_cache_dtype == "fp8":  # compared with the bf16 cache's row of the same run, and FlashInfer's over e4m3
+        out = paged_attention(q, cache, table, cu, lens, 1, num_splits=splits)
+        fi, diffs = flashinfer_times({f"flashinfer{name}": lambda tc=tc: flashinfer_peer.decode(
+            q, cache.k, cache.v, table, lens, tensor_cores=tc) for name, tc in (("", True), ("-cuda-cores", False))},
+            out)
+        return r | {"peers_ms": fi, "peer_output_diff": diffs}
+    if kv_cache_dtype != "auto":
         return r
     # each sequence's blocks next to each other in memory, as a fresh cache hands out a prompt's: what scattering costs
     in_order = torch.arange(num_blocks, device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
@@ -337,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_cache_dtype != "auto":
         print(f"\n{'decode':14s} {args.kv_cache_dtype + ' ms':>10s} {'bf16 ms':>9s} {'speedup':>8s} {'TB/s read':>10s}"
               f" {'of copy':>8s}   in a chain of 8 layers: {args.kv_cache_dtype + ' ms':>8s} {'bf16 ms':>8s} "
-              f"{'speedup':>8s} {'of copy':>8s}")
+              f"{'speedup':>8s} {'of copy':>8s}   FlashInfer (same cache dtype, bf16): best peer ms, its speedup")
         for bf16 in [r for r in rows if r["kind"] == "decode"]:
             b, c = map(int, bf16["shape"].split("x"))
             r = bench_decode(b, c, kv_cache_dtype=args.kv_cache_dtype)
@@ -346,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             layer_rate = r["rate"] * r["ms"] / r["ms_per_layer"]
             print(f"{r['shape']:14s} {r['ms']:10.4f} {bf16['ms']:9.4f} {r['speedup_vs_bf16']:7.2f}x {r['rate']:10.2f}"
                   f" {r['fraction_of_ceiling']:8.0%}   {'':23s} {r['ms_per_layer']:8.4f} {bf16['ms_per_layer']:8.4f} "
-                  f"{bf16['ms_per_layer'] / r['ms_per_layer']:7.2f}x {layer_rate / bw:8.0%}")
+                  f"{bf16['ms_per_layer'] / r['ms_per_layer']:7.2f}x {layer_rate / bw:8.0%}" + peer_speedup(r, bf16))
         print(f"\n{'paged prefill':14s} {args.kv_cache_dtype + ' ms':>10s} {'bf16 ms':>9s} {'vs bf16':>8s}"
               f" {'TFLOP/s':>8s} {'portable ms':>12s}")
         for bf16, shape in zip([r for r in rows if r["kind"] == "paged prefill"], PAGED_PREFILL):

@@ -77,13 +77,12 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
     table = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))] + [0] * (padding * width)
     n = len(tokens)
     # A mixed step's leading decoding sequences attend apart from the rest (DecodeSplit), unless a block-sparse
-    # pattern makes the step's view; the rest's cu_seqlens_q is counted from its own first row.
+    # pattern makes the step's view.
     decoding = 0 if padding or q_len or pattern is not None else next(
         (i for i, s in enumerate(seqs) if len(s.token_ids) != 1), len(seqs))
-    rest_cu = [c - decoding for c in cu[decoding:]] if 0 < decoding < len(seqs) else []
-    packed = upload(tokens + positions + slots + seq_lens + cu + table + deferred + rest_cu, torch.int64, device)
-    ids, positions_t, slots_t, lens_t, cu_t, table_t, deferred_t, rest_cu_t = packed.split(
-        [n, n, n, rows, rows + 1, rows * width, len(deferred), len(rest_cu)])
+    packed = upload(tokens + positions + slots + seq_lens + cu + table + deferred, torch.int64, device)
+    ids, positions_t, slots_t, lens_t, cu_t, table_t, deferred_t = packed.split(
+        [n, n, n, rows, rows + 1, rows * width, len(deferred)])
     cu_t, lens_t, table_t = cu_t.int(), lens_t.int(), table_t.int().view(rows, width)
     meta = AttentionMetadata(cu_t, lens_t, q_len or max(len(s.token_ids) for s in seqs), positions_t,
                              slots_t, table_t)
@@ -93,15 +92,16 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
             pad = q_len - len(s.token_ids) if q_len else 0
             bits += [-1] * pad + (tree_mask(s.tree, pad) if s.tree else [-1] * len(s.token_ids))
         meta.query_mask = upload(bits + [-1] * (padding * per_row), torch.int64, device)
-    if rest_cu:
-        # (the rest's tensors copied, not viewed: Triton compiles a kernel again for a pointer that is not 16-byte
-        # aligned, and a view's alignment would follow the number of decoding sequences)
+    if 0 < decoding < len(seqs):
+        # (the rest gets its own upload, not views of the step's tensors: a view's 16-byte alignment would follow
+        # the number of decoding sequences, and Triton compiles a kernel again for each)
+        rest = seqs[decoding:]
+        rest_meta = paged_view([len(s.token_ids) for s in rest], seq_lens[decoding:], [s.block_table for s in rest],
+                               device)
+        if meta.query_mask is not None:
+            rest_meta.query_mask = meta.query_mask[decoding:].clone()
         meta.decode_split = DecodeSplit(decoding, AttentionMetadata(
-            cu_t[:decoding + 1], lens_t[:decoding], 1, positions=None, block_table=table_t[:decoding]),
-            AttentionMetadata(rest_cu_t.int(), lens_t[decoding:].clone(),
-                              max(len(s.token_ids) for s in seqs[decoding:]), positions=None,
-                              block_table=table_t[decoding:].clone(),
-                              query_mask=None if meta.query_mask is None else meta.query_mask[decoding:].clone()))
+            cu_t[:decoding + 1], lens_t[:decoding], 1, positions=None, block_table=table_t[:decoding]), rest_meta)
     if pattern is not None and any(len(s.token_ids) > 1 for s in seqs):  # (decoding alone stays dense)
         split = pattern.split([len(s.token_ids) for s in seqs], seq_lens, [s.block_table for s in seqs], block_size)
         meta.block_sparse = block_sparse_view(pattern, split, device)
@@ -111,13 +111,17 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: torch.device, rows: 
 def paged_view(q_lens: list[int], k_lens: list[int], tables: list[list[int]], device: torch.device
                ) -> AttentionMetadata:
     """The paged attention metadata of sequences (queries, keys, block table) alone: cu_seqlens_q, seq_lens_k,
-    max_seqlen_q and the block table, padded to its longest row."""
+    max_seqlen_q and the block table, padded to its longest row. One upload, each part starting 16 bytes into it
+    whatever the sizes: Triton specializes a kernel on its pointers' 16-byte alignment, so a part at an offset
+    that followed the batch would compile kernels again mid-run."""
     width = max(map(len, tables))
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    packed = upload(cu + k_lens + [b for t in tables for b in t + [0] * (width - len(t))], torch.int32, device)
-    cu_t, lens_t, table_t = packed.split([len(cu), len(k_lens), len(tables) * width])
+    parts = [cu, k_lens, [b for t in tables for b in t + [0] * (width - len(t))]]
+    padded = [p + [0] * (-len(p) % 4) for p in parts]
+    packed = upload([v for p in padded for v in p], torch.int32, device)
+    cu_t, lens_t, table_t = (t[:len(p)] for t, p in zip(packed.split([len(p) for p in padded]), parts))
     return AttentionMetadata(cu_t, lens_t, max(q_lens), positions=None, block_table=table_t.view(len(tables), width))
 
 
