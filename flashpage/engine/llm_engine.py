@@ -204,8 +204,10 @@ class LLMEngine:
         arguments that are 1 or multiples of 16, so the waves cover both: 16 prompts of 16 tokens, then 3 of 23
         tokens in all beside those 16 decoding (a mixed step, whose decoding rows take the decode kernel as eager
         mixed steps run it: `DecodeSplit`), then one whose first block is cached (prefill after a prefix);
-        then, each alone in its step, prompts of 100 and 150 tokens, the other row classes of the FP8 linear
-        kernel's tiles (kernels/linear.py; the decode graphs cover the multiples of 16); on a GPU, one of 2,048
+        then prompts of 100 and 150 tokens, the other row classes of the FP8 linear kernel's tiles
+        (kernels/linear.py; the decode graphs cover the multiples of 16), the first alone in its step, the second
+        beside it decoding (a mixed step with one decoding sequence, which the decode kernel is specialized for:
+        kernels/attention.py, _attention_kernel); on a GPU, one of 2,048
         tokens, whose last prefill sees long items (the Hopper prefill's other tiles: kernels/hopper_prefill.py,
         short_items; on a CPU it would take seconds and compile nothing). Greedy and sampled draws, with
         log-probs; then, on a GPU, the sampling kernels' other variants (`warm_up_sampling`). A request the engine
@@ -216,7 +218,7 @@ class LLMEngine:
         def prompt(i: int, n: int) -> list[int]:
             return [(101 + 7 * j + 13 * i) % vocab for j in range(min(n, limit - 1))]
         waves = [[prompt(i, 16) for i in range(16)], [prompt(16, 17), prompt(17, 5), prompt(18, 1)], [prompt(0, 33)],
-                 None, [prompt(19, 100)], None, [prompt(20, 150)]]  # None: finish what runs first
+                 None, [prompt(19, 100)], [prompt(20, 150)]]  # None: finish what runs first
         if self.cfg.device.startswith("cuda"):
             waves += [None, [prompt(21, 2048)]]
         for w, prompts in enumerate(waves):
