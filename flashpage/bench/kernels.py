@@ -14,7 +14,8 @@ takes (the copy engine fetching each page's tile for one KV head, as the decode 
 Peers: torch SDPA's backends and, when importable, FlashInfer (`flashpage.bench.flashinfer_peer`: prefill with
 its FA3 and FA2 backends, decode with tensor cores), its outputs compared with ours.
 `--kv-cache-dtype` also times decode and paged prefill over an FP8 or INT8 cache (the engine's scales) against
-the bf16 one, decode's rate counted on the bytes it reads. `--fp8` also times the FP8 varlen prefill (inputs
+the bf16 one, decode's rate counted on the bytes it reads; over FP8, FlashInfer's decode of the same e4m3 cache
+is its peer, beside FlashInfer's own speedup over its bf16 decode. `--fp8` also times the FP8 varlen prefill (inputs
 quantized per head) against the bf16 one, with its output's difference from the bf16 output and the e4m3 matmul
 rate. `--sparse` also times
 SparQ decode against the dense decode (`flashpage.bench.sparse`).
