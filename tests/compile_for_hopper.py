@@ -114,12 +114,17 @@ def main() -> None:
             tri.top_k_positions(values.repeat(1, 100), 300)
             topk.CHUNK = chunk
         # SparQ decode (4 and 3 query heads per KV head; r under 16 and over; the paper's basis and another; 4 value
-        # axes) and its cache extras (the copy in e4m3)
+        # axes; the key copy in e4m3 and in 4 bits) and its cache extras
         k_t = cache.permute(0, 2, 3, 1).contiguous().to(torch.float8_e4m3fn)
-        for basis, axes in ((None, 0), (rand(2, 128, 128, dtype=dtype), 0), (None, 4)):
+        copy4 = dict(k_t=torch.zeros(2, 2, 128, 32, dtype=torch.uint8), k_t_scale=rand(2, 2, 64).to(k_t.dtype))
+        for basis, axes, bits in ((None, 0, 8), (rand(2, 128, 128, dtype=dtype), 0, 8), (None, 4, 8),
+                                  (rand(2, 128, 128, dtype=dtype), 4, 4)):
             with_axes = dict(v_t=k_t[:, :, :16, :axes].contiguous(), sparq_value_rms=torch.ones(2, axes),
                              sparq_value_axes=rand(2, 128, axes, dtype=torch.float32)) if axes else {}
-            sparq_cache = KVCache(cache, cache, k_t=k_t, v_cumsum=torch.zeros(8, 2, 128), sparq_basis=basis,
+            pages = cache.view(2, 64, 2, 128) if bits == 4 else cache  # (the 4-bit copy: blocks of 64 only)
+            copy = copy4 if bits == 4 else dict(k_t=k_t)
+            with_axes = dict(with_axes, v_t=with_axes["v_t"].view(2, 2, 64, axes)) if bits == 4 else with_axes
+            sparq_cache = KVCache(pages, pages, v_cumsum=torch.zeros(len(pages), 2, 128), sparq_basis=basis, **copy,
                                   **with_axes)
             for heads, r in ((8, 32), (6, 8)):
                 tri.sparq_attention(rand(2, heads, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=r,
@@ -127,8 +132,9 @@ def main() -> None:
             max_row, topk.MAX_ROW = topk.MAX_ROW, 0  # (rows the chunked select takes: the aggregation counts digits)
             tri.sparq_attention(rand(2, 8, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=32, k=24)
             topk.MAX_ROW = max_row
-            tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
-                                   torch.tensor([0, 17, 40], dtype=torch.int32), lens)
+            if bits == 8:  # (the 4-bit copy is written by the reference)
+                tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
+                                       torch.tensor([0, 17, 40], dtype=torch.int32), lens)
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms
         x, w = rand(3, 256, dtype=dtype), rand(256, dtype=dtype)
         tri.rms_norm(x, w, 1e-5)

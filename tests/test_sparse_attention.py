@@ -62,17 +62,22 @@ def random_basis(hkv, dim, dtype=torch.float32):
     return torch.linalg.qr(torch.randn(hkv, dim, dim, dtype=torch.float64)).Q.to(dtype).to(DEVICE)
 
 
-def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None, axes=0):
+def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None, axes=0, key_bits=8):
     """A shuffled paged cache with its SparQ extras poisoned, then written by `writer` (the reference's or the
     Triton kernel's) as a prefill of each sequence's first third and decode steps of the rest, one token each;
-    `basis`: the cache's sparq_basis; `axes`: so many value axes (random orthonormal ones, random RMS)."""
+    `basis`: the cache's sparq_basis; `axes`: so many value axes (random orthonormal ones, random RMS); `key_bits`:
+    its key copy's."""
     k, v, table, seq_lens, _ = paged_case(lens_k, [1] * len(lens_k), page, hkv, dim, dtype)
     cache = allocate_kv_caches(1, k.shape[0], page, hkv, dim, dtype, torch.device(DEVICE), sparq=True,
-                               value_axes=axes)[0]
+                               value_axes=axes, key_bits=key_bits)[0]
     cache.sparq_basis = basis
     cache.k.copy_(k)
     cache.v.copy_(v)
-    cache.k_t.fill_(float("nan"))
+    if key_bits == 4:  # (the codes 15 and the scales NaN)
+        cache.k_t.fill_(255)
+        cache.k_t_scale.fill_(float("nan"))
+    else:
+        cache.k_t.fill_(float("nan"))
     cache.v_cumsum.fill_(float("nan"))
     if axes:  # (from a generator of their own: the cases' other draws stay as they were without axes)
         g = torch.Generator().manual_seed(axes)
@@ -94,21 +99,22 @@ def sparq_cache(lens_k, page, hkv, dim, dtype, writer, basis=None, axes=0):
 
 
 def check_sparq_extras(cache, table, seq_lens):
-    """k_t holds every written key (in the cache's sparq_basis), component-major, rounded to e4m3; each block's
-    v_cumsum the sum of its sequence's values up to the block's last written slot; v_t (with value axes) each
-    value's coordinates along them over their RMS, rounded to e4m3."""
-    page = cache.block_size
+    """k_t holds every written key (in the cache's sparq_basis), component-major, rounded to e4m3 (or to 4 bits
+    with its scale, two keys a byte); each block's v_cumsum the sum of its sequence's values up to the block's last
+    written slot; v_t (with value axes) each value's coordinates along them over their RMS, rounded to e4m3."""
+    page, bits = cache.block_size, cache.sparq_key_bits
     for i, n in enumerate(seq_lens.tolist()):
         blocks = table[i, :-(-n // page)].long()
         slots = torch.arange(n, device=DEVICE)
         keys = cache.k[blocks[slots // page], slots % page]
-        stored = cache.k_t[blocks[slots // page], :, :, slots % page].double()
+        stored = ref.read_sparq_copy(cache, blocks)[:n].double()
         if cache.sparq_basis is None:
-            assert torch.equal(stored, ref.as_sparq_copy(keys.double()))
+            assert torch.equal(stored, ref.as_sparq_copy(keys.double(), bits))
         else:  # (turned in float32 by the kernel: a value near a rounding boundary may round the other way)
             turned = ref.in_basis(keys.double(), cache.sparq_basis.double())
-            assert (stored == ref.as_sparq_copy(turned)).double().mean() > 0.99
-            assert 0.01 < rel_err(stored, turned) < 2**-4  # rounded to e4m3, and no more
+            assert (stored == ref.as_sparq_copy(turned, bits)).double().mean() > 0.99
+            low, high = {8: (0.01, 2**-4), 4: (0.1, 0.2)}[bits]  # rounded to e4m3 or to 4 bits, and no more
+            assert low < rel_err(stored, turned) < high
         if cache.v_t is not None:
             stored = cache.v_t[blocks[slots // page], :, slots % page].double()
             coords = torch.einsum("thd,hdm->thm", cache.v[blocks[slots // page], slots % page].double(),
@@ -121,16 +127,22 @@ def check_sparq_extras(cache, table, seq_lens):
 
 
 CASES = [
-    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention), value axes, recent keys always chosen)
-    ([1, 300], 4, 4, 64, 16, 8, 16, None, 0, 0),  # a one-token sequence; MHA
-    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2), 4, 5),  # short ones see every key; splits
-    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3), 4, 40),  # SmolLM2's group of 3, pages of 8; the last k keys
-    ([150], 6, 2, 80, 16, 10, 32, (2, 2), 3, 0),  # head dim 80; three axes (padded)
-    ([260, 33], 8, 1, 128, 32, 16, 64, None, 0, 7),  # MQA, large pages
-    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2), 1, 0),  # pages of 64: a tile of the scores is one page
-    ([300, 129], 4, 2, 64, 128, 8, 24, (2, 2), 2, 8),  # pages of 128: a tile of the scores is one page of 128
-    ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64), 8, 3),  # more attention splits than tiles; the combine
-    # in 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
+    # (k lengths, Hq, Hkv, D, page, r, k, splits (scores, attention), value axes, recent keys always chosen, bits of
+    # the key copy)
+    ([1, 300], 4, 4, 64, 16, 8, 16, None, 0, 0, 8),  # a one-token sequence; MHA
+    ([37, 5, 300], 8, 2, 64, 16, 8, 24, (3, 2), 4, 5, 8),  # short ones see every key; splits
+    ([200, 129], 9, 3, 64, 8, 16, 40, (4, 3), 4, 40, 8),  # SmolLM2's group of 3, pages of 8; the last k keys
+    ([150], 6, 2, 80, 16, 10, 32, (2, 2), 3, 0, 8),  # head dim 80; three axes (padded)
+    ([260, 33], 8, 1, 128, 32, 16, 64, None, 0, 7, 8),  # MQA, large pages
+    ([200, 70], 4, 2, 64, 64, 8, 24, (2, 2), 1, 0, 8),  # pages of 64: a tile of the scores is one page
+    ([300, 129], 4, 2, 64, 128, 8, 24, (2, 2), 2, 8, 8),  # pages of 128: a tile of the scores is one page of 128
+    ([150, 97, 150, 133, 150], 2, 1, 128, 16, 16, 64, (1, 64), 8, 3, 8),  # more attention splits than tiles; the
+    # combine in 64-column programs (five sequences: the 16-bit test asks most groups, not all, to match)
+    # the key copy in 4 bits (pages of 64 only): "1/8 v2 r8" in 4 bits at SmolLM2's shape; odd lengths, 12
+    # components; head dim 128, 52 components, a one-token sequence
+    ([200, 71], 9, 3, 64, 64, 26, 24, (2, 2), 2, 8, 4),
+    ([37, 5, 301], 8, 2, 64, 64, 12, 24, (3, 2), 0, 0, 4),
+    ([1, 129], 4, 2, 128, 64, 52, 16, None, 0, 3, 4),
 ]
 
 
@@ -177,7 +189,7 @@ def test_reference_is_the_papers_algorithm(monkeypatch):
         assert rel_err(out_w[pos], want) < 1e-12, pos
     assert rel_err(out_w[k:], out_b[k:]) > 1e-3
     with monkeypatch.context() as m:  # all components of keys not rounded: exact scores, in any basis
-        m.setattr(ref, "as_sparq_copy", lambda keys: keys)
+        m.setattr(ref, "as_sparq_copy", lambda keys, bits=8: keys)
         every = [ref.sparq_attention(q, c, table, torch.tensor([0, length]), torch.tensor([length]), length, r=dim,
                                      k=k) for c in (cache, turned)]
     assert rel_err(every[0], every[1]) < 1e-12
@@ -203,16 +215,34 @@ def test_key_bases_are_principal_axes():
     assert rel_err(weights, (moments.sqrt() ** AXIS_WEIGHT).expand_as(weights)) < 1e-4
 
 
-@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent", CASES)
+def sparq_writer(bits):
+    """The Triton writer of the cache extras, or for a 4-bit key copy (which it refuses) the reference's."""
+    return sparq.write_sparq_copies if bits == 8 else ref.write_sparq_copies
+
+
+def test_triton_writer_refuses_a_4bit_copy():
+    """The Triton writer of SparQ's extras refuses a 4-bit key copy (one built in it wrote wrong values on an H200)
+    before it writes anything."""
+    cache = allocate_kv_caches(1, 2, 64, 2, 64, torch.float32, torch.device(DEVICE), sparq=True, key_bits=4)[0]
+    cache.k_t.fill_(7)
+    with pytest.raises(ValueError, match="do not write SparQ's 4-bit key copy"):
+        sparq.write_sparq_copies(torch.randn(3, 2, 64, device=DEVICE), cache, torch.arange(3, device=DEVICE),
+                                 torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE),
+                                 torch.tensor([0, 3], dtype=torch.int32, device=DEVICE),
+                                 torch.tensor([3], dtype=torch.int32, device=DEVICE))
+    assert bool((cache.k_t == 7).all())
+
+
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent,bits", CASES)
 @pytest.mark.parametrize("turned", [False, True])
-def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, turned,
+def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, bits, turned,
                                         monkeypatch):
     """The Triton cache extras (written by a prefill and decode steps) equal the reference's, and the kernels'
     output the reference's in float64, within float32 rounding; a padding sequence (no keys) gives zeros;
     `turned`: in a random basis of each KV head, and the keys chosen by the chunked select that long rows take (in
     chunks of 64, its first digits counted by the aggregation, here in programs of 32 keys); `strided` (K read
     instead of the copy) SparQ over unrounded keys; `axes`: with so many value axes; `recent`: the last so many
-    keys always chosen."""
+    keys always chosen; `bits`: the key copy's."""
     torch.manual_seed(sum(lens_k) + r)
     basis = query_basis = None
     if turned:  # the engine's kind: an orthonormal basis, its axes scaled by w for queries and 1 / w for keys
@@ -232,8 +262,9 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
             counts.chunk_above.fill_(-999)
             return counts
         monkeypatch.setattr(sparq, "digit_counts", poisoned)
-    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes))
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis, axes)
+    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes,
+                                    bits))
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq_writer(bits), basis, axes, bits)
     cache.sparq_query_basis = query_basis
     check_sparq_extras(cache, table, seq_lens)
     q = torch.randn(len(lens_k) + 1, hq, dim, device=DEVICE)
@@ -255,7 +286,7 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         strided = sparq.sparq_attention(q, cache, table, cu, seq_lens, 1, r=r, k=k, recent=recent, num_splits=splits,
                                         strided=True)
         with monkeypatch.context() as m:
-            m.setattr(ref, "as_sparq_copy", lambda keys: keys)
+            m.setattr(ref, "as_sparq_copy", lambda keys, bits=8: keys)
             unrounded = ref.sparq_attention(q[:-1].double(), KVCache(double.k, double.v, v_t=double.v_t,
                                             sparq_value_axes=cache.sparq_value_axes,
                                             sparq_value_rms=cache.sparq_value_rms), table[:-1], cu[:-1],
@@ -267,9 +298,9 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
         assert rel_err(out[:-1], dense) > 1e-3
 
 
-@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent", CASES)
+@pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent,bits", CASES)
 @pytest.mark.parametrize("turned", [False, True])
-def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, turned):
+def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, bits, turned):
     """Over a bf16 cache the kernels keep the approximate scores and their sums in fp16 and rank the sums by their
     top 10 bits (the reference too, from its float64 sums), which can swap keys that fall on either side of a
     rounding boundary; on random keys (flat attention) one swap moves a group's output by up to a third. So most (sequence, KV head) groups, not all, match the float64 reference on the same bf16 values
@@ -279,8 +310,8 @@ def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, rece
     signs = torch.randint(0, 2, (hkv, 1, dim)) * 2 - 1
     perms = torch.stack([torch.eye(dim)[torch.randperm(dim)] for _ in range(hkv)])
     basis = (perms * signs).bfloat16().to(DEVICE) if turned else None
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq.write_sparq_copies, basis,
-                                         axes)
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq_writer(bits), basis, axes,
+                                         bits)
     q = torch.randn(len(lens_k), hq, dim, device=DEVICE).bfloat16()
     cu = torch.arange(len(lens_k) + 1, dtype=torch.int32, device=DEVICE)
     out = torch.full_like(q, float("nan"))
@@ -395,6 +426,34 @@ def test_sparq_value_axes_engine(smollm_llm):
     assert recent.stats()["sparse_attention_bytes_fraction"] == got["sparse_attention_bytes_fraction"]
 
 
+def test_sparq_4bit_key_copy_engine(smollm_llm):
+    """`"key_bits": 4`: the cache keeps the key copy two keys a byte with a scale per key; SparQ reads it (other
+    scores than the e4m3 copy's, near them); stats count r / 2 + 1 bytes of every key; the copy takes its share of
+    the cache."""
+    text = real_text(smollm_llm, 200)
+    cfg = {**SPARQ, "basis": "none", "prompt": True}
+    engine = engine_from(smollm_llm, sparse_attention={**cfg, "key_bits": 4})
+    cache = engine.runner.kv_caches[0]
+    blocks = cache.k.shape[0]
+    assert cache.k_t.shape == (blocks, 3, 64, 32) and cache.k_t.dtype == torch.uint8
+    assert cache.k_t_scale.shape == (blocks, 3, 64) and cache.sparq_key_bits == 4
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(e):
+        return torch.tensor([next(iter(p.values())).logprob for p in run(e, [text], [scored])[0].prompt_logprobs[1:]])
+
+    e4m3 = engine_from(smollm_llm, sparse_attention=cfg)
+    four, eight, dense = logprobs(engine), logprobs(e4m3), logprobs(engine_from(smollm_llm))
+    assert 1e-4 < (four - eight).abs().mean() < (eight - dense).abs().mean()
+    got, was = engine.stats(), e4m3.stats()
+    # (16 components: 8 bytes and the scale instead of 16, against 2 * 64 float32 values)
+    assert was["sparse_attention_bytes_fraction"] - got["sparse_attention_bytes_fraction"] == pytest.approx(7 / 512)
+    plain = engine_from(smollm_llm, cpu_kv_cache_gb=0.25).stats()["kv_cache_capacity_tokens"]
+    small = engine_from(smollm_llm, cpu_kv_cache_gb=0.25, sparse_attention={**cfg, "key_bits": 4})
+    # (float32 K + V: 8 bytes a value; K again in 4 bits: 1 / 2; a scale per key: 1 / 64; the sums: 4 / 64)
+    assert small.stats()["kv_cache_capacity_tokens"] / plain == pytest.approx(8 / (8.5 + 1 / 64 + 4 / 64), rel=0.02)
+
+
 def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     """With `prompt` (every token through SparQ, so a preempted sequence's recomputation gives what its decode
     gave), requests batched with prefix hits, forked samples and preemption get the tokens they get alone (the
@@ -437,6 +496,10 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "sparq", "r": 8, "k": 8, "value_axes": 17}, {}, "value_axes must be at most 16"),
     ({"method": "sparq", "r": 8, "k": 8, "recent": -1}, {}, "recent must be an integer >= 0"),
     ({"method": "sparq", "r": 8, "k": 8, "recent": 9}, {}, "recent must be at most k (8)"),
+    ({"method": "sparq", "r": 8, "k": 8, "key_bits": 2}, {}, "key_bits must be 8 (e4m3) or 4"),
+    ({"method": "sparq", "r": 8, "k": 8, "key_bits": True}, {}, "key_bits must be an integer >= 1"),
+    ({"method": "sparq", "r": 8, "k": 8, "key_bits": 4}, {"block_size": 16}, "key_bits 4 is served at block_size 64"),
+    ({"method": "sparq", "r": 8, "k": 8, "key_bits": 4}, {"kernels": "triton"}, "key_bits 4 runs on the CPU and"),
     ("sparq", {}, "sparse_attention must be dict or None"),
     (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
     (SPARQ, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "not served with speculative"),

@@ -55,11 +55,13 @@ def perplexity(llm, ids: list[int], window: int) -> float:
     return math.exp(-sum(lps) / len(lps))
 
 
-# (r and value axes per 64 of the head dimension, context / k, recent keys always chosen); "1/8 v": 1/8 of the
-# bytes, a quarter of the r components' bytes spent on the values' coordinates instead (`"value_axes"`); "1/8 v2":
-# an eighth of them; "1/8 v2 r8": that, the last 8 keys among the k chosen (`"recent"`)
-SPARQ_BUDGETS = {"1/8": (16, 0, 16, 0), "1/4": (32, 0, 8, 0), "1/8 v": (12, 4, 16, 0), "1/8 v2": (14, 2, 16, 0),
-                 "1/8 v2 r8": (14, 2, 16, 8)}
+# (r and value axes per 64 of the head dimension, context / k, recent keys always chosen, bits of the key copy);
+# "1/8 v": 1/8 of the bytes, a quarter of the r components' bytes spent on the values' coordinates instead
+# (`"value_axes"`); "1/8 v2": an eighth of them; "1/8 v2 r8": that, the last 8 keys among the k chosen
+# (`"recent"`); "1/8 v2 r8 4-bit": that with the key copy in 4 bits (`"key_bits"`), 26 components in the bytes of 14
+# and the key's scale
+SPARQ_BUDGETS = {"1/8": (16, 0, 16, 0, 8), "1/4": (32, 0, 8, 0, 8), "1/8 v": (12, 4, 16, 0, 8),
+                 "1/8 v2": (14, 2, 16, 0, 8), "1/8 v2 r8": (14, 2, 16, 8, 8), "1/8 v2 r8 4-bit": (26, 2, 16, 8, 4)}
 
 
 PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -155,15 +157,15 @@ def sparse_quality(path: str, text: str, contexts: list[int], retrieval_tokens: 
               f"  {row['retrieval_hits']}  (keys kept: " + ", ".join(f"{kept[n]:.1%}" for n in contexts) + ")",
               flush=True)
     for budget in budgets if "sparq" in methods else ():
-        per_r, per_axes, per_k, recent = SPARQ_BUDGETS[budget]
+        per_r, per_axes, per_k, recent, key_bits = SPARQ_BUDGETS[budget]
         r, axes = dim * per_r // 64, dim * per_axes // 64
-        sparq = {"method": "sparq", "r": r, "value_axes": axes, "recent": recent}
+        sparq = {"method": "sparq", "r": r, "value_axes": axes, "recent": recent, "key_bits": key_bits}
         ppl = {}
         for n in contexts:
             llm = LLM(path, dtype="float32", device="cpu", sparse_attention={**sparq, "k": n // per_k, "prompt": True})
             ppl[n] = tail_perplexity(llm, n)
         llm = LLM(path, dtype="float32", device="cpu", sparse_attention={**sparq, "k": retrieval_tokens // per_k})
-        row = {"method": "sparq", "budget": budget, "r": r, "value_axes": axes, "recent": recent,
+        row = {"method": "sparq", "budget": budget, "r": r, "value_axes": axes, "recent": recent, "key_bits": key_bits,
                "k_per_context": f"context / {per_k}", "perplexity": ppl,
                "ratio": {n: ppl[n] / dense[n] for n in contexts}, "retrieval_hits": hits(llm),
                "retrieval_k": retrieval_tokens // per_k}

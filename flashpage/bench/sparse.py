@@ -14,7 +14,8 @@ components of one byte in the e4m3 copy: 1/16, k = context / 16 keys and values:
 / 8); at block size 16 and 64 (SparQ's default: a component's keys of one block are then 64 contiguous bytes
 instead of 16; there also "1/8 v": r = 24 with the values' coordinates along 8 axes, `"value_axes": 8`, and "1/8
 v2": r = 28 with 4 axes, the splits of 1/8 that kept most of SmolLM2's quality, as `bench quality --sparse` names
-them), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
+them; "1/8 v2 r8": that with the last 8 keys always chosen; "1/8 v2 r8 4-bit": that with the key copy in 4 bits,
+r = 52, `"key_bits": 4`), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
 table: twice the copy's bytes). The
 copy is in an orthonormal basis per KV head, as the engine's default (`"basis": "pca"`), so the queries' turn into
 it is in the time; at 1/8 also without one (the paper's basis, "I" in the table; "strided" reads K as it is, so
@@ -34,7 +35,7 @@ import torch
 from flashpage.bench.common import median_ms
 from flashpage.bench.quality import SPARQ_BUDGETS
 from flashpage.engine.inputs import block_sparse_view
-from flashpage.kernels import sparq, triton_ops
+from flashpage.kernels import reference, sparq, triton_ops
 from flashpage.kernels.attention import choose_num_splits
 from flashpage.kernels.block_sparse import BlockSparsePattern, choose_blocks
 from flashpage.kernels.triton_ops import paged_attention
@@ -43,11 +44,11 @@ from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
-# name: (r, context / k, value axes, recent keys) at head dim D: the quality bench's budgets (set per 64 of the head
+# name: (r, context / k, value axes, recent keys, bits of the key copy) at head dim D: the quality bench's budgets (set per 64 of the head
 # dimension, where "1/8 v" and "1/8 v2" spend a quarter and an eighth of the r components' bytes on the values'
 # coordinates)
-BUDGETS = {name: (r * D // 64, per_k, axes * D // 64, recent)
-           for name, (r, axes, per_k, recent) in SPARQ_BUDGETS.items()}
+BUDGETS = {name: (r * D // 64, per_k, axes * D // 64, recent, key_bits)
+           for name, (r, axes, per_k, recent, key_bits) in SPARQ_BUDGETS.items()}
 
 
 def graph_ms(fn) -> float:
@@ -85,7 +86,8 @@ def sparq_cache(batch: int, context: int, block: int = 16, axes: int = 0) -> tup
 
 
 def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
-    variants = [("1/8", False, True), ("1/8 v", False, True), ("1/8 v2", False, True)] if block == 64 else \
+    variants = [("1/8", False, True), ("1/8 v", False, True), ("1/8 v2", False, True), ("1/8 v2 r8", False, True),
+                ("1/8 v2 r8 4-bit", False, True)] if block == 64 else \
         [("1/8", False, True), ("1/4", False, True), ("1/8", False, False), ("1/8", True, False)]
     cache, table = sparq_cache(batch, context, block, axes=max(BUDGETS[name][2] for name, _, _ in variants))
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
@@ -96,18 +98,38 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
     dense_ms = graph_ms(lambda: paged_attention(q, cache, table, cu, lens, 1, num_splits=splits, out=out))
     dense_bytes = 2 * batch * context * HKV * D * 2
     rows = []
+    copy4 = None  # (the key copy in 4 bits, made once the first variant asks for it)
     for name, strided, turned in variants:  # (budget, strided, in a basis)
-        r, per_k, axes, recent = BUDGETS[name]
+        r, per_k, axes, recent, key_bits = BUDGETS[name]
         k = context // per_k
         read = with_axes(cache if turned else dataclasses.replace(cache, sparq_basis=None), axes)
+        if key_bits == 4:
+            copy4 = copy4 or in_4_bits(cache)
+            read = dataclasses.replace(read, **copy4)
         ms = graph_ms(lambda: sparq.sparq_attention(q, read, table, cu, lens, 1, r=r, k=k, recent=recent, out=out,
                                                     strided=strided))
         rows.append({"kind": "sparq decode", "shape": f"{batch}x{context}", "block_size": block, "budget": name,
-                     "r": r, "k": k, "value_axes": axes, "recent": recent, "strided": strided, "basis": turned,
+                     "r": r, "k": k, "value_axes": axes, "recent": recent, "key_bits": key_bits, "strided": strided,
+                     "basis": turned,
                      "ms": ms, "dense_ms": dense_ms,
                      "speedup_vs_dense": dense_ms / ms, "dense_rate_tbs": dense_bytes / dense_ms / 1e9,
                      "phases_ms": sparq_phases(q, read, table, lens, r, k, strided)})
     return rows
+
+
+def in_4_bits(cache: KVCache) -> dict[str, torch.Tensor]:
+    """The cache's keys as a 4-bit key copy holds them (`reference.e2m1_keys`): {"k_t": two keys a byte,
+    "k_t_scale": each key's scale} (the copy's keys as `sparq_cache` makes its e4m3 one: K as it is)."""
+    blocks, page = cache.k.shape[:2]
+    k_t = torch.empty(blocks, HKV, D, page // 2, device="cuda", dtype=torch.uint8)
+    scale = torch.empty(blocks, HKV, page, device="cuda", dtype=SPARQ_COPY_DTYPE)
+    for i in range(0, blocks, 256):  # (in pieces: the float64 codes of a large cache would not fit)
+        keys = cache.k[i:i + 256]
+        codes, s = reference.e2m1_keys(keys.flatten(0, 1))
+        codes = codes.view(keys.shape).permute(0, 2, 3, 1)  # [blocks, Hkv, D, page]
+        k_t[i:i + 256] = codes[..., :page // 2] | (codes[..., page // 2:] << 4)
+        scale[i:i + 256] = s.view(keys.shape[:3]).transpose(1, 2)
+    return {"k_t": k_t, "k_t_scale": scale}
 
 
 def with_axes(cache: KVCache, axes: int) -> KVCache:
@@ -218,19 +240,19 @@ def run(copy_tbs: float, matmul_tflops: float, sparq_decode: bool = True) -> lis
               f"{r['sparse_tflops_on_kept']:15.0f}{extra}")
     free = torch.cuda.mem_get_info()[0]
     for batch, context in SHAPES if sparq_decode else []:
-        need = 5 * batch * context * HKV * D * 1.6  # K, V (2 bytes), their copy (1), room for the step's buffers
+        need = 5.5 * batch * context * HKV * D * 1.6  # K, V (2 bytes), their copies (1, 0.5), the step's buffers
         if need > free:
             print(f"sparq decode {batch}x{context}: left out (needs about {need / 2**30:.0f} GiB)", flush=True)
             continue
         for block in (16, 64):
             rows += bench_sparq(batch, context, block)
             torch.cuda.empty_cache()
-    print(f"\n{'SparQ decode':14s} {'block':>5s} {'budget':>7s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
+    print(f"\n{'SparQ decode':14s} {'block':>5s} {'budget':>15s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
           f"{'of copy':>7s} {'SparQ ms':>9s} {'speedup':>8s}  phases (ms)")
     for r in (r for r in rows if r["kind"] == "sparq decode"):
         phases = " ".join(f"{n} {t:.3f}" for n, t in r["phases_ms"].items())
         budget = r["budget"] + (" K" if r["strided"] else "" if r["basis"] else " I")
-        print(f"{r['shape']:14s} {r['block_size']:5d} {budget:>7s} {r['r']:4d} {r['k']:6d} {r['dense_ms']:9.4f} "
+        print(f"{r['shape']:14s} {r['block_size']:5d} {budget:>15s} {r['r']:4d} {r['k']:6d} {r['dense_ms']:9.4f} "
               f"{r['dense_rate_tbs']:10.2f} {r['dense_rate_tbs'] / copy_tbs:7.0%} {r['ms']:9.4f} "
               f"{r['speedup_vs_dense']:7.2f}x  {phases}")
     return rows

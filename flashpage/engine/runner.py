@@ -144,7 +144,9 @@ class ModelRunner:
                                      speculative=cfg.speculative is not None, block_size=cfg.block_size,
                                      sliding_window=self.config.sliding_window)
         self.sparq_cache = self.sparse is not None and self.sparse.method == "sparq"  # (its key copy and value sums)
-        self.value_axes = self.sparse.value_axes if self.sparq_cache else 0  # (and its values' coordinates)
+        # its copies' layout: value axes, and the bits of the key copy
+        self.sparq_layout = dict(sparq=self.sparq_cache, value_axes=self.sparse.value_axes if self.sparq_cache else 0,
+                                 key_bits=self.sparse.key_bits if self.sparq_cache else 8)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.kv_dtype = KV_CACHE_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
         if cfg.kv_cache_dtype == "fp8":
@@ -166,14 +168,14 @@ class ModelRunner:
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, self.num_blocks, self.block_size,
                                             self.num_kv_heads, c.head_dim, self.kv_dtype, self.device,
-                                            sparq=self.sparq_cache, value_axes=self.value_axes)
+                                            **self.sparq_layout)
         if self.kv_dtype == torch.float8_e4m3fn:  # the checkpoint's per-head scales, where it has them
             for cache, layer in zip(self.kv_caches, self.model.layers):
                 for kind, scale in layer.self_attn.kv_cache_scales.items():
                     (cache.k_scale if kind == "k" else cache.v_scale).copy_(scale)
                     if kind == "k":  # calibrated on the keys as they are: store them so
                         cache.keys_rotated = False
-        if self.sparq_cache and (self.sparse.basis == "pca" or self.value_axes):
+        if self.sparq_cache and (self.sparse.basis == "pca" or self.sparse.value_axes):
             self._calibrate_sparq_bases()
         self.last_sampled: torch.Tensor | None = None  # the last step's sampled tokens, on the device
         self.last_logits: torch.Tensor | None = None  # the rows they were drawn from, after masks and penalties
@@ -211,16 +213,15 @@ class ModelRunner:
             if self.sparse.basis == "pca":
                 turns = sparq_turns(calibration.k.flatten(0, 1)[:len(ids)])
                 cache.sparq_basis, cache.sparq_query_basis = (t.to(self.dtype) for t in turns)
-            if self.value_axes:
+            if self.sparse.value_axes:
                 cache.sparq_value_axes, cache.sparq_value_rms = principal_value_axes(
-                    calibration.v.flatten(0, 1)[:len(ids)], self.value_axes)
+                    calibration.v.flatten(0, 1)[:len(ids)], self.sparse.value_axes)
         log.info("SparQ bases from %d tokens of calibration text in %.2f s", len(ids), time.perf_counter() - start)
 
     def _blocks_that_fit(self, reserve_per_block: int) -> int:
         c, cfg = self.config, self.cfg
         per_block = reserve_per_block + kv_bytes_per_block(c.num_hidden_layers, self.block_size, self.num_kv_heads,
-                                                           c.head_dim, self.kv_dtype, self.sparq_cache,
-                                                           self.value_axes)
+                                                           c.head_dim, self.kv_dtype, **self.sparq_layout)
         if self.device.type == "cuda":
             steps = self._step_memory()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -262,7 +263,7 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(dev)
         c = self.config
         self.kv_caches = allocate_kv_caches(c.num_hidden_layers, blocks, bs, self.num_kv_heads, c.head_dim,
-                                            self.kv_dtype, dev, sparq=self.sparq_cache, value_axes=self.value_axes)
+                                            self.kv_dtype, dev, **self.sparq_layout)
         cache = torch.cuda.memory_allocated(dev) - base
         torch.cuda.reset_peak_memory_stats(dev)
         logits = self.forward(plan)[0]

@@ -11,7 +11,9 @@
   values (`principal_value_axes`, from the same calibration text) and weighed by its approximate probability, instead of
   to the mean of all values; it reads m more bytes of every key (docs/sparse-attention.md). `"recent": n` (0 by
   default, as the paper) makes the last n keys always among the k chosen, whatever their approximate scores: the
-  same bytes, and at 1k-2k tokens about half a point less perplexity cost (docs/sparse-attention.md).
+  same bytes, and at 1k-2k tokens about half a point less perplexity cost (docs/sparse-attention.md). `"key_bits":
+  4` (8 by default: e4m3) keeps the copy of the keys that the approximate scores read in 4 bits a component (e2m1,
+  with a one-byte scale per key: `kv.cache`), so that r components cost r / 2 + 1 bytes of every key.
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
@@ -32,9 +34,9 @@ import torch
 
 from flashpage.errors import DictSetting, ParameterError
 from flashpage.kernels.block_sparse import BlockSparsePattern
-from flashpage.kv.cache import SPARQ_COPY_DTYPE
+from flashpage.kv.cache import SPARQ_4BIT_BLOCK, SPARQ_COPY_DTYPE, SPARQ_KEY_BITS
 
-METHODS = {"sparq": ("r", "k", "prompt", "basis", "value_axes", "recent"),
+METHODS = {"sparq": ("r", "k", "prompt", "basis", "value_axes", "recent", "key_bits"),
            "block": ("block", "sink", "local", "stride", "density", "sample", "sample_heads")}
 SAMPLE_HEADS = ("all", "one")
 BASES = ("pca", "none")
@@ -55,6 +57,7 @@ class SparseAttentionConfig:
     basis: str = "pca"  # sparq: where components are chosen: the keys' principal axes, or "none" (the keys' own)
     value_axes: int = 0  # sparq: the unchosen keys' values seen along this many principal axes (0: the mean value)
     recent: int = 0  # sparq: the last keys always among the k chosen (0..k)
+    key_bits: int = 8  # sparq: bits of a component in the copy of the keys the approximate scores read (8 or 4)
     block: int = 64  # block: positions per block (a multiple of 64)
     sink: int = 1  # block: first blocks every query sees
     local: int = 16  # block: the window, in blocks, the query's own included (>= 1)
@@ -91,6 +94,9 @@ class SparseAttentionConfig:
             integer("recent", 0, cls.recent)
             if d.get("recent", 0) > d["k"]:
                 bad("recent", f"must be at most k ({d['k']}): they are among the k keys chosen, got {d['recent']}")
+            integer("key_bits", 1, cls.key_bits)
+            if d.get("key_bits", cls.key_bits) not in SPARQ_KEY_BITS:
+                bad("key_bits", f"must be 8 (e4m3) or 4 (e2m1 with a scale per key), got {d['key_bits']!r}")
             if not isinstance(d.get("prompt", False), bool):
                 bad("prompt", f"must be true or false, got {d['prompt']!r}")
             if d.get("basis", cls.basis) not in BASES:
@@ -124,6 +130,9 @@ class SparseAttentionConfig:
             if getattr(self, name) > head_dim:
                 raise ParameterError(f"sparse_attention.{name}", f"sparse_attention: {name} must be at most the "
                                      f"head dimension ({head_dim}), got {getattr(self, name)}")
+        if self.method == "sparq" and self.key_bits == 4 and block_size != SPARQ_4BIT_BLOCK:
+            raise ParameterError("sparse_attention.key_bits", f"sparse_attention: key_bits 4 is served at block_size "
+                                 f"{SPARQ_4BIT_BLOCK} (SparQ's default) only, got {block_size}")
         if self.method == "block" and self.block % block_size:
             raise ParameterError("sparse_attention.block", f"sparse_attention: block must be a multiple of the "
                                  f"cache's block_size ({block_size}), got {self.block}")
@@ -133,6 +142,10 @@ class SparseAttentionConfig:
             if unserved:
                 what = "a sliding-window model" if name == "model" else f"{name}"
                 raise ParameterError("sparse_attention", f"sparse_attention is not served with {what} (yet)")
+        if self.method == "sparq" and self.key_bits == 4 and kernels != "torch" and kernels != "cpu":
+            raise ParameterError("sparse_attention.key_bits", "sparse_attention: key_bits 4 runs on the CPU and "
+                                 "PyTorch kernels only (kernels='cpu' or 'torch'): the Triton kernels do not write "
+                                 "the 4-bit copy yet")
         if self.prompt and kernels == "triton":
             raise ParameterError("sparse_attention.prompt", "sparse_attention: prompt=true runs on the CPU and "
                                  "PyTorch kernels only (kernels='cpu' or 'torch')")
@@ -186,8 +199,9 @@ def principal_value_axes(values: torch.Tensor, m: int) -> tuple[torch.Tensor, to
 class SparseStats:
     """What sparse attention read, summed over the queries it served (each layer alike): keys attended (exactly)
     against the keys dense attention would have, and bytes read against dense attention's K and V (SparQ: r bytes
-    of every key's 2 * head_dim * key_bytes for the approximate scores, its copy being one byte a component, plus
-    the chosen keys and values; with value_axes m, m more bytes of every key and of every chosen one)."""
+    of every key's 2 * head_dim * key_bytes for the approximate scores, its copy being one byte a component (with
+    key_bits 4, half a byte, and a byte of the key's scale), plus the chosen keys and values; with value_axes m, m
+    more bytes of every key and of every chosen one)."""
     config: SparseAttentionConfig
     head_dim: int
     key_bytes: int  # bytes of one element of the cache's K
@@ -212,7 +226,8 @@ class SparseStats:
         if self.config.method == "sparq":
             dense = 2 * self.head_dim * self.key_bytes
             m = self.config.value_axes * SPARQ_COPY_DTYPE.itemsize
-            approx = (self.config.r * SPARQ_COPY_DTYPE.itemsize + m) / dense * self.keys_visible
+            copy = self.config.r * SPARQ_COPY_DTYPE.itemsize if self.config.key_bits == 8 else self.config.r / 2 + 1
+            approx = (copy + m) / dense * self.keys_visible
             approx += m / dense * self.keys_attended
         return {"sparse_attention_keys_fraction": self.keys_attended / visible,
                 "sparse_attention_bytes_fraction": (approx + self.keys_attended) / visible}

@@ -328,7 +328,7 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     for steps 1 and 2:
     1. the r components where the group's queries are largest in magnitude (|q| summed over the group's heads);
     2. approximate scores from those components of every key, rounded to e4m3 (`as_sparq_copy`: what the cache's
-       copy `k_t` holds, read from it where the cache has one), each head's softmax temperature scaled by
+       copy `k_t` holds, read from it where the cache has one; in 4 bits where it holds them so), each head's softmax temperature scaled by
        sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
     3. the k keys with the largest approximate probability summed over the group's heads, the row's last `recent`
        keys (its own among them) always among them (with drop_bits, the sums ranked as the Triton kernels rank a
@@ -353,8 +353,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
         keys, values = (x.flatten(0, 1)[:len_k].to(dt) for x in read_pages(kv_cache, blocks, q.dtype))
         if kv_cache.k_t is None:  # the approximate scores' keys, as `k_t` would hold them
             turned = as_sparq_copy(in_basis(keys, basis))
-        else:  # `k_t` itself, [blocks, Hkv, D, block_size] -> [keys, Hkv, D]
-            turned = kv_cache.k_t[blocks].permute(0, 3, 1, 2).flatten(0, 1)[:len_k].to(dt)
+        else:  # `k_t` itself
+            turned = read_sparq_copy(kv_cache, blocks)[:len_k].to(dt)
         coords = None  # the values' coordinates along the axes, as `v_t` holds them, times their RMS: [keys, Hkv, m]
         if axes is not None:
             coords = kv_cache.v_t[blocks].transpose(1, 2).flatten(0, 1)[:len_k].to(dt) * \
@@ -410,10 +410,45 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, recent, scale, query_basis, 
     return o.reshape(n, hq, dim)
 
 
-def as_sparq_copy(keys: torch.Tensor) -> torch.Tensor:
-    """Turned keys as SparQ's copy `k_t` stores them (saturated to e4m3's range and rounded to it), back in their
-    own dtype."""
+def as_sparq_copy(keys: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """Turned keys [T, Hkv, D] as SparQ's copy `k_t` stores them, back in their own dtype: saturated to e4m3's range
+    and rounded to it, or in 4 bits (`e2m1_keys`)."""
+    if bits == 4:
+        return e2m1_values(*e2m1_keys(keys)).to(keys.dtype)
     return keys.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(keys.dtype)
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's magnitudes, by their 3-bit codes
+E2M1_STEPS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # the points between them (a tie rounds down)
+
+
+def e2m1_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [T, Hkv, D] as a 4-bit copy stores them: each key's scale, the smallest e4m3 value s with 6 s >= its
+    largest |component| (at least e4m3's smallest, 2 ** -9; at most 448), [T, Hkv] FP8, and each component's code
+    [T, Hkv, D] uint8: its sign in bit 3, in bits 0-2 the e2m1 magnitude nearest |x| / s, found as the number of
+    E2M1_STEPS * s below |x| (products exact in float32, so the kernels find the same codes)."""
+    amax = keys.abs().amax(-1).double()
+    scale = (amax / 6).clamp(2.0**-9, FP8_MAX).to(FP8)
+    bump = (scale.double() * 6 < amax) & (scale.double() < FP8_MAX)  # rounded below: the next e4m3 value up
+    scale = (scale.view(torch.uint8) + bump.to(torch.uint8)).view(FP8)
+    steps = torch.tensor(E2M1_STEPS, dtype=torch.float64, device=keys.device)
+    mag = (keys.abs().double()[..., None] > steps * scale.double()[..., None, None]).sum(-1)
+    return (mag + 8 * (keys < 0)).to(torch.uint8), scale
+
+
+def e2m1_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., D] with their keys' scales [...] (`e2m1_keys`) as values, float64."""
+    mags = torch.tensor(E2M1, dtype=torch.float64, device=codes.device)[(codes & 7).long()]
+    return torch.where(codes >= 8, -mags, mags) * scale.double()[..., None]
+
+
+def read_sparq_copy(kv_cache, blocks: torch.Tensor) -> torch.Tensor:
+    """The keys of `blocks` as SparQ's copy `k_t` holds them, [blocks * block_size, Hkv, D] (float64 from 4 bits)."""
+    k_t = kv_cache.k_t[blocks]  # [n, Hkv, D, block_size (/ 2)]
+    if kv_cache.k_t_scale is None:
+        return k_t.permute(0, 3, 1, 2).flatten(0, 1)
+    codes = torch.cat((k_t & 15, k_t >> 4), -1).permute(0, 3, 1, 2)  # [n, block_size, Hkv, D]
+    return e2m1_values(codes, kv_cache.k_t_scale[blocks].transpose(1, 2)).flatten(0, 1)
 
 
 def as_value_coordinates(values: torch.Tensor, axes: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
@@ -424,14 +459,23 @@ def as_value_coordinates(values: torch.Tensor, axes: torch.Tensor, rms: torch.Te
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key, in the cache's
-    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size], and for each block written
+    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size] (4-bit: `e2m1_keys`), and for each block written
     to, `v_cumsum` [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot to the block's
     last written one; with value axes, each new value's coordinates into `v_t` (`as_value_coordinates`). (Blocks
     shared by prefix caching hold the same prefix in every sequence, so their sums hold for all.)"""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     page = kv_cache.block_size
-    kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(in_basis(k[keep], kv_cache.sparq_basis)).to(FP8)
+    turned = in_basis(k[keep], kv_cache.sparq_basis)
+    if kv_cache.k_t_scale is None:
+        kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(turned).to(FP8)
+    else:  # a block's first half of keys in its bytes' low nibbles, the second in the high ones, the other kept
+        codes, kv_cache.k_t_scale[slots // page, :, slots % page] = e2m1_keys(turned)
+        half = page // 2
+        for high in (0, 1):
+            at, code = slots[slots % page // half == high], codes[slots % page // half == high]
+            place = (at // page, slice(None), slice(None), at % half)
+            kv_cache.k_t[place] = (kv_cache.k_t[place] & (0xF0 >> 4 * high)) | (code << 4 * high)
     if kv_cache.v_t is not None:
         values = kv_cache.v.flatten(0, 1)[slots].float()
         kv_cache.v_t[slots // page, :, slots % page] = as_value_coordinates(

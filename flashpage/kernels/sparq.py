@@ -6,7 +6,8 @@ sum, instead of every key and value:
 1. `_approximate_scores` chooses the r components of each (sequence, KV head), the largest of |q| summed over the
    group (`tl.topk`, in every program: 128 values),
 2. and those components of every key, from the component-major copy `k_t` (e4m3: one run of block_size bytes
-   per component and page, 64 by default with SparQ), give each head's approximate scores (kept, a key's heads
+   per component and page, 64 by default with SparQ; or in 4 bits, half the bytes and a scale per key, a copy
+   that `reference.write_sparq_copies` writes), give each head's approximate scores (kept, a key's heads
    side by side) and, per split of the keys, their running max and sum (and zero the select's histograms);
 3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
    keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
@@ -43,6 +44,7 @@ from flashpage.kernels.quantize import to_e4m3
 from flashpage.kernels.topk import count_first_digits, digit_counts, top_k_positions
 
 _LOG2E = 1.4426950408889634
+_INTERPRET = tl.constexpr(interpreting())
 AGGREGATE_KEYS = 1024  # keys per aggregation program
 TAIL_ROWS = 64  # the aggregation programs' sums of the tail that the combine adds at a time
 # fp16 sums rank by their exponent alone (within a factor of two a tie, taken first position first): one radix
@@ -80,26 +82,86 @@ def _tile_pages(BlockTable, b, stride_bt, start, hi, BLOCK_N: tl.constexpr, PAGE
 
 
 @triton.jit
-def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE: tl.constexpr):
-    """The chosen components of a tile's keys, [BLOCK_R, pages, PAGE_SIZE]: each page read whole, since a
-    component's keys of one page are PAGE_SIZE contiguous values, which the compiler loads as vectors only where it
-    sees them as [.., PAGE_SIZE] under one mask (keys past the end are masked in the scores)."""
-    t = tl.arange(0, PAGE_SIZE)
+def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE: tl.constexpr,
+               KEY_BITS: tl.constexpr):
+    """The chosen components of a tile's keys, [BLOCK_R, pages, run]: each page read whole, since a component's
+    keys of one page are a run of contiguous values (PAGE_SIZE, or in 4 bits PAGE_SIZE / 2 bytes of two keys each),
+    which the compiler loads as vectors only where it sees them as [.., run] under one mask (keys past the end are
+    masked in the scores)."""
+    t = tl.arange(0, PAGE_SIZE * KEY_BITS // 8)
     return tl.load(KT + block[None, :, None] * stride_block + kt_rows[:, None, None] + t[None, None, :] * stride_tok,
                    mask=j_ok[:, None, None] & page_ok[None, :, None], other=0.0)
 
 
 @triton.jit
-def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, Digits, sm_scale_log2, num_kv_heads,
-                        stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block, stride_head, stride_comp,
-                        stride_tok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr,
+def _tile_keys(kt, part: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
+    """A tile's components in e4m3 from `_copy_tile`'s copy: [BLOCK_R, BLOCK_N], or in 4 bits those of the keys
+    in the low nibbles (part 0: each page's first half) or the high ones (part 1), [BLOCK_R, BLOCK_N / 2]. 4-bit
+    codes move into e4m3's bits, 2 ** -6 times their e2m1 value, exactly (the sign to the top bit, the magnitude's
+    exponent and mantissa bits to the lowest two of e4m3's exponent and its top mantissa bit; code 1, 0.5, becomes
+    a subnormal); the scores take the 2 ** 6 back with each key's scale."""
+    if KEY_BITS == 8:
+        keys = tl.reshape(kt, [BLOCK_R, BLOCK_N])
+    else:
+        codes = tl.reshape(kt, [BLOCK_R, BLOCK_N // 2])
+        if _INTERPRET:  # (it runs no PTX)
+            c = (codes >> 4) if part else (codes & 15)
+            bits = (((c & 8) << 4) | ((c & 7) << 2)).to(tl.uint8)
+        elif part == 0:  # four bytes a word at once: byte by byte, the moves cost the scores twice their reads
+            bits = tl.inline_asm_elementwise(
+                asm="""{ .reg .b32 sign, mag;
+                and.b32 sign, $1, 0x08080808;
+                shl.b32 sign, sign, 4;
+                and.b32 mag, $1, 0x07070707;
+                shl.b32 mag, mag, 2;
+                or.b32 $0, sign, mag; }""",
+                constraints="=r,r", args=[codes], dtype=tl.uint8, is_pure=True, pack=4)
+        else:
+            bits = tl.inline_asm_elementwise(
+                asm="""{ .reg .b32 sign, mag;
+                and.b32 sign, $1, 0x80808080;
+                and.b32 mag, $1, 0x70707070;
+                shr.b32 mag, mag, 2;
+                or.b32 $0, sign, mag; }""",
+                constraints="=r,r", args=[codes], dtype=tl.uint8, is_pure=True, pack=4)
+        keys = bits.to(tl.float8e4nv, bitcast=True)
+    return keys
+
+
+@triton.jit
+def _part_keys(start, part: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
+    """The positions of `_tile_keys`' keys: the tile's, or in 4 bits each page's first or second half."""
+    run: tl.constexpr = PAGE_SIZE * KEY_BITS // 8
+    i = tl.arange(0, BLOCK_N * KEY_BITS // 8)
+    return start + (i // run) * PAGE_SIZE + part * run + i % run
+
+
+@triton.jit
+def _key_scales(KTScale, block, page_ok, h, part: tl.constexpr, stride_sblock, stride_shead, PAGE_SIZE: tl.constexpr,
+                BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
+    """A 4-bit copy's scales of `_tile_keys`' keys, times 2 ** 6, [BLOCK_N / 2] float32 (ones for e4m3)."""
+    if KEY_BITS == 8:
+        scales = tl.full([BLOCK_N // 2], 1.0, dtype=tl.float32)
+    else:
+        t = part * (PAGE_SIZE // 2) + tl.arange(0, PAGE_SIZE // 2)
+        scales = tl.load(KTScale + block[:, None] * stride_sblock + h * stride_shead + t[None, :],
+                         mask=page_ok[:, None], other=0.0)
+        scales = tl.reshape(scales.to(tl.float32), [BLOCK_N // 2]) * 64.0
+    return scales
+
+
+@triton.jit
+def _approximate_scores(Q, KT, KTScale, BlockTable, SeqLens, Logits, PartM, PartL, Digits, sm_scale_log2,
+                        num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block, stride_head,
+                        stride_comp, stride_tok, stride_sblock, stride_shead, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr,
                         BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                        UPCAST: tl.constexpr, DIGIT_CELLS: tl.constexpr, BLOCK_DC: tl.constexpr):
+                        UPCAST: tl.constexpr, DIGIT_CELLS: tl.constexpr, BLOCK_DC: tl.constexpr,
+                        KEY_BITS: tl.constexpr):
     """Tiles of BLOCK_N keys by the group's heads (the keys are the product's rows, so the scores come out as
     Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
-    tensor cores compute beyond it). KT is the component-major copy (stride_tok 1), or the cache's K itself
-    (strided reads, for comparison). Each (sequence, KV head)'s first split also zeroes its row of the select's
+    tensor cores compute beyond it). KT is the component-major copy (stride_tok 1; in KEY_BITS 4, two keys a byte,
+    with KTScale, each key's scale), or the cache's K itself (strided reads, for comparison). Each (sequence, KV head)'s first split also zeroes its row of the select's
     histograms (DIGIT_CELLS of them; 0: none), which the aggregation fills next: a launch of its own cost more
     than the store."""
     b = tl.program_id(0)
@@ -141,24 +203,33 @@ def _approximate_scores(Q, KT, BlockTable, SeqLens, Logits, PartM, PartL, Digits
     # loads run ahead of their use (the block numbers two tiles, the keys one), so that no load in the loop waits
     # for another: a warp's tile is small, and a load that waited on its block number paid two latencies
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo, hi, BLOCK_N, PAGE_SIZE)
-    kt = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
+    kt = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE, KEY_BITS)
+    ks0 = _key_scales(KTScale, block, page_ok, h, 0, stride_sblock, stride_shead, PAGE_SIZE, BLOCK_N, KEY_BITS)
+    ks1 = _key_scales(KTScale, block, page_ok, h, 1, stride_sblock, stride_shead, PAGE_SIZE, BLOCK_N, KEY_BITS)
     block, page_ok = _tile_pages(BlockTable, b, stride_bt, lo + BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
     for start in range(lo, hi, BLOCK_N):
-        kt_next = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE)
+        kt_next = _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE_SIZE, KEY_BITS)
+        ks0_next = _key_scales(KTScale, block, page_ok, h, 0, stride_sblock, stride_shead, PAGE_SIZE, BLOCK_N,
+                               KEY_BITS)
+        ks1_next = _key_scales(KTScale, block, page_ok, h, 1, stride_sblock, stride_shead, PAGE_SIZE, BLOCK_N,
+                               KEY_BITS)
         block, page_ok = _tile_pages(BlockTable, b, stride_bt, start + 2 * BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
-        k_hat = tl.trans(tl.reshape(kt, [BLOCK_R, BLOCK_N]))
-        s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [BLOCK_N, GROUP_PAD], base 2
-        n = start + tl.arange(0, BLOCK_N)
-        ok = n < hi
-        s = tl.where(ok[:, None], s, float("-inf"))
-        tl.store(Logits + b * stride_lb + h * stride_lh + n[:, None] * GROUP + g[None, :],
-                 s.to(Logits.dtype.element_ty), mask=ok[:, None] & g_ok[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp2(s - m_new[None, :])
-        rescale = tl.exp2(m_i - m_new)
-        l_i = l_i * rescale + tl.sum(p, 0)
-        m_i = m_new
-        kt = kt_next
+        for part in tl.static_range(8 // KEY_BITS):  # (4 bits: the keys of the low nibbles, then of the high ones)
+            k_hat = tl.trans(_tile_keys(kt, part, BLOCK_R, BLOCK_N, KEY_BITS))
+            s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [keys, GROUP_PAD], base 2
+            if KEY_BITS == 4:
+                s = s * (ks1 if part else ks0)[:, None]
+            n = _part_keys(start, part, PAGE_SIZE, BLOCK_N, KEY_BITS)
+            ok = n < hi
+            s = tl.where(ok[:, None], s, float("-inf"))
+            tl.store(Logits + b * stride_lb + h * stride_lh + n[:, None] * GROUP + g[None, :],
+                     s.to(Logits.dtype.element_ty), mask=ok[:, None] & g_ok[None, :])
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            p = tl.exp2(s - m_new[None, :])
+            rescale = tl.exp2(m_i - m_new)
+            l_i = l_i * rescale + tl.sum(p, 0)
+            m_i = m_new
+        kt, ks0, ks1 = kt_next, ks0_next, ks1_next
     part = (b * num_kv_heads * GROUP + heads) * NUM_SPLITS + split
     tl.store(PartM + part, m_i, mask=g_ok)
     tl.store(PartL + part, l_i, mask=g_ok)
@@ -459,13 +530,15 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     digits = (digit_counts(agg, AGGREGATE_KEYS, zeroed=False, drop_bits=drop_bits) if max_keys > topk.MAX_ROW
               else None)
     digit_cells = 0 if digits is None else digits.hist[0].numel()
+    key_bits = 8 if strided else kv_cache.sparq_key_bits
+    key_scales = kv_cache.k_t_scale if key_bits == 4 else part_m  # (not read in e4m3)
     _approximate_scores[(batch, hkv, score_splits)](
-        q_basis, keys, block_table, seq_lens_k, logits, part_m, part_l, part_m if digits is None else digits.hist,
-        scale, hkv, q_basis.stride(0), q_basis.stride(1), block_table.stride(0), logits.stride(0), logits.stride(1),
-        *key_strides, GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
+        q_basis, keys, key_scales, block_table, seq_lens_k, logits, part_m, part_l,
+        part_m if digits is None else digits.hist, scale, hkv, q_basis.stride(0), q_basis.stride(1),
+        block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides, *key_scales.stride()[:2], GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
         HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
-        DIGIT_CELLS=digit_cells, BLOCK_DC=triton.next_power_of_2(max(digit_cells, 1)), num_warps=score_warps,
-        num_stages=score_stages)
+        DIGIT_CELLS=digit_cells, BLOCK_DC=triton.next_power_of_2(max(digit_cells, 1)), KEY_BITS=key_bits,
+        num_warps=score_warps, num_stages=score_stages)
     # 3. each key's summed probability; the k most likely keys
     lse = torch.empty(batch, hq, dtype=f32, device=dev)
     chunks = triton.cdiv(max_keys, AGGREGATE_KEYS)
@@ -514,8 +587,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 
 @triton.jit
-def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK,
-                        num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ,
+                        SeqLensK, num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
                         UPCAST: tl.constexpr):
@@ -572,7 +645,12 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, Bl
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """As `reference.write_sparq_copies`: after the new tokens' K/V are in the cache, their keys (in the cache's
-    `sparq_basis`) into `k_t` and the running value sums of the blocks they went to."""
+    `sparq_basis`) into `k_t` and the running value sums of the blocks they went to. Not for a 4-bit copy: a writer
+    of it in this kernel stored wrong codes and scales on an H200 (not in the interpreter; docs/sparse-attention.md),
+    so the engine serves that copy on its CPU and PyTorch kernels, which write it with `reference.write_sparq_copies`."""
+    if kv_cache.k_t_scale is not None:
+        raise ValueError("the Triton kernels do not write SparQ's 4-bit key copy: write it with "
+                         "reference.write_sparq_copies (key_bits 4 runs on kernels='cpu' or 'torch')")
     batch = seq_lens_k.shape[0]
     if k.shape[0] == 0 or batch == 0:
         return

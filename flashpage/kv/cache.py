@@ -26,6 +26,11 @@ written slot, so that SparQ's mean value is one read per sequence. Both are writ
 queries are turned by `sparq_query_basis` (its inverse transpose, so that q.k is kept; None: `sparq_basis` itself,
 for an orthonormal one); there SparQ chooses its components. The engine's are the principal axes of each layer's
 keys, scaled (`flashpage.engine.sparse.sparq_turns`).
+With `"key_bits": 4`, `k_t` holds two keys a byte instead [num_blocks, num_kv_heads, head_dim, block_size / 2]
+(uint8; a block's first half of keys in the low nibbles, its second half in the high ones, so that the kernels
+read each half as a tile with no shuffle), each component in e2m1 (FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
+their negatives) times its key's scale, `k_t_scale` [num_blocks, num_kv_heads, block_size] e4m3 (the smallest
+that holds the key's largest component within 6: nothing clips): at the bytes of r e4m3 components, about 2r - 2.
 With `"value_axes": m`, a third extra: `v_t` [num_blocks, num_kv_heads, block_size, m] e4m3, each value's
 coordinates along the layer's m principal axes of its values, `sparq_value_axes` [num_kv_heads, head_dim, m],
 divided by the values' RMS along each, `sparq_value_rms` [num_kv_heads, m] (both float32): the unchosen keys'
@@ -43,6 +48,10 @@ from flashpage.kernels.fp8 import FP8
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 SPARQ_COPY_DTYPE = FP8  # SparQ's component copy `k_t`: turned keys past +-FP8_MAX are stored saturated
+SPARQ_KEY_BITS = (8, 4)  # its components' bits: e4m3, or e2m1 with a scale per key (`k_t_scale`)
+# the one block size the 4-bit copy is served at: at 16, 32 and 128 the Triton writer stored wrong codes and scales
+# on an H200 (not in the interpreter; docs/sparse-attention.md)
+SPARQ_4BIT_BLOCK = 64
 
 
 @dataclass
@@ -59,6 +68,7 @@ class KVCache:
     v_t: torch.Tensor | None = None  # SparQ with value axes: coordinates [num_blocks, num_kv_heads, block_size, m]
     sparq_value_axes: torch.Tensor | None = None  # SparQ: the values' principal axes [num_kv_heads, head_dim, m]
     sparq_value_rms: torch.Tensor | None = None  # SparQ: the values' RMS along each [num_kv_heads, m]
+    k_t_scale: torch.Tensor | None = None  # SparQ, 4-bit copy: each key's scale [num_blocks, num_kv_heads, block_size]
 
     @property
     def sparq_query_turn(self) -> torch.Tensor | None:
@@ -78,16 +88,27 @@ class KVCache:
             raise ValueError("a SparQ cache needs both k_t and v_cumsum")
         if self.k_t is not None:
             blocks, page, heads, dim = self.k.shape
-            if self.k_t.shape != (blocks, heads, dim, page) or self.k_t.dtype != SPARQ_COPY_DTYPE or \
-                    self.v_cumsum.shape != (blocks, heads, dim) or self.v_cumsum.dtype != torch.float32:
-                raise ValueError(f"a SparQ cache needs k_t {(blocks, heads, dim, page)} float8_e4m3fn and "
-                                 f"v_cumsum {(blocks, heads, dim)} float32")
+            packed = self.k_t_scale is not None
+            want = (blocks, heads, dim, page // 2 if packed else page), torch.uint8 if packed else SPARQ_COPY_DTYPE
+            if (self.k_t.shape, self.k_t.dtype) != want or self.v_cumsum.shape != (blocks, heads, dim) or \
+                    self.v_cumsum.dtype != torch.float32:
+                raise ValueError(f"a SparQ cache needs k_t {want[0]} {want[1]} and v_cumsum {(blocks, heads, dim)} "
+                                 "float32")
+            if packed and (self.k_t_scale.shape != (blocks, heads, page) or self.k_t_scale.dtype != FP8 or
+                           page != SPARQ_4BIT_BLOCK):
+                raise ValueError(f"a 4-bit SparQ copy needs k_t_scale {(blocks, heads, page)} float8_e4m3fn and blocks "
+                                 f"of {SPARQ_4BIT_BLOCK}")
         if self.v_t is not None:
             blocks, page, heads, _ = self.k.shape
             if self.v_t.shape[:3] != (blocks, heads, page) or self.v_t.dtype != FP8 or \
                     self.sparq_value_axes is None or self.sparq_value_rms is None:
                 raise ValueError(f"a SparQ cache's v_t is float8_e4m3fn {(blocks, heads, page, 'm')}, with its "
                                  "sparq_value_axes and sparq_value_rms")
+
+    @property
+    def sparq_key_bits(self) -> int:
+        """SparQ: the bits of a component in its key copy `k_t` (8: e4m3; 4: e2m1 with a scale per key)."""
+        return 8 if self.k_t_scale is None else 4
 
     @property
     def value_axes(self) -> int:
@@ -111,7 +132,7 @@ class KVCache:
         """Blocks src -> dst (copy-on-write), an INT8 cache's scales along; as bytes (CUDA indexes no FP8 tensor)."""
         per_slot = (self.k_scale, self.v_scale) if self.scaled_per_token else ()
         sparq = (self.k_t.view(torch.uint8), self.v_cumsum) if self.k_t is not None else ()
-        sparq += (self.v_t.view(torch.uint8),) if self.v_t is not None else ()
+        sparq += tuple(c.view(torch.uint8) for c in (self.v_t, self.k_t_scale) if c is not None)
         for c in (self.k.view(torch.uint8), self.v.view(torch.uint8), *per_slot, *sparq):
             c[dst] = c[src]
 
@@ -127,22 +148,26 @@ class KVCache:
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       sparq: bool = False, value_axes: int = 0) -> int:
+                       sparq: bool = False, value_axes: int = 0, key_bits: int = 8) -> int:
     """Bytes one block takes over all layers, K and V (with an INT8 cache's per-token scales, a SparQ cache's
-    second copy of K, value sums and values' coordinates)."""
+    second copy of K in `key_bits` a component (and 4-bit keys' scales), value sums and values' coordinates)."""
     scales = 4 if dtype == torch.int8 else 0
     per_layer = 2 * block_size * num_kv_heads * (head_dim * dtype.itemsize + scales)
     if sparq:
-        per_layer += num_kv_heads * head_dim * (block_size * SPARQ_COPY_DTYPE.itemsize + 4)
+        per_layer += num_kv_heads * head_dim * (block_size * key_bits // 8 + 4)
+        per_layer += num_kv_heads * block_size * (key_bits == 4)
         per_layer += num_kv_heads * value_axes * block_size * SPARQ_COPY_DTYPE.itemsize
     return num_layers * per_layer
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device, sparq: bool = False,
-                       value_axes: int = 0) -> list[KVCache]:
+                       value_axes: int = 0, key_bits: int = 8) -> list[KVCache]:
     """Each layer's cache; `sparq`: with SparQ's extras (`value_axes` > 0: its copy of the values' coordinates
-    too, whose axes and RMS the caller sets)."""
+    too, whose axes and RMS the caller sets; `key_bits` 4: its key copy in e2m1 with a scale per key)."""
+    if key_bits not in SPARQ_KEY_BITS or (key_bits == 4 and block_size != SPARQ_4BIT_BLOCK):
+        raise ValueError(f"SparQ's key copy holds 8 or 4 bits a component (4: at block_size {SPARQ_4BIT_BLOCK}), got "
+                         f"{key_bits} bits with block_size {block_size}")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
     def scales():
@@ -152,11 +177,15 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
             return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
         return None
 
-    def sparq_copies():
+    def sparq_copies():  # (k_t, v_cumsum, and a 4-bit copy's scales)
         if not sparq:
-            return None, None
-        return (torch.empty(num_blocks, num_kv_heads, head_dim, block_size, dtype=SPARQ_COPY_DTYPE, device=device),
-                torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device))
+            return {}
+        per_byte = 8 // key_bits
+        return {"k_t": torch.empty(num_blocks, num_kv_heads, head_dim, block_size // per_byte, device=device,
+                                   dtype=SPARQ_COPY_DTYPE if key_bits == 8 else torch.uint8),
+                "v_cumsum": torch.zeros(num_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=device),
+                "k_t_scale": torch.empty(num_blocks, num_kv_heads, block_size, dtype=FP8, device=device)
+                if key_bits == 4 else None}
 
     def value_coordinates():  # (v_t, its axes, their RMS: zeros and ones until the caller sets them)
         if not (sparq and value_axes):
@@ -167,5 +196,5 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                 "sparq_value_rms": torch.ones(num_kv_heads, value_axes, device=device)}
 
     return [KVCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
-                    scales(), scales(), *sparq_copies(), keys_rotated=dtype == torch.float8_e4m3fn,
+                    scales(), scales(), keys_rotated=dtype == torch.float8_e4m3fn, **sparq_copies(),
                     **value_coordinates()) for _ in range(num_layers)]
