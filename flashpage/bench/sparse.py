@@ -247,8 +247,8 @@ def run(copy_tbs: float, matmul_tflops: float, sparq_decode: bool = True) -> lis
         for block in (16, 64):
             rows += bench_sparq(batch, context, block)
             torch.cuda.empty_cache()
-    print(f"\n{'SparQ decode':14s} {'block':>5s} {'budget':>15s} {'r':>4s} {'k':>6s} {'dense ms':>9s} {'dense TB/s':>10s} "
-          f"{'of copy':>7s} {'SparQ ms':>9s} {'speedup':>8s}  phases (ms)")
+    print(f"\n{'SparQ decode':14s} {'block':>5s} {'budget':>15s} {'r':>4s} {'k':>6s} {'dense ms':>9s} "
+          f"{'dense TB/s':>10s} {'of copy':>7s} {'SparQ ms':>9s} {'speedup':>8s}  phases (ms)")
     for r in (r for r in rows if r["kind"] == "sparq decode"):
         phases = " ".join(f"{n} {t:.3f}" for n, t in r["phases_ms"].items())
         budget = r["budget"] + (" K" if r["strided"] else "" if r["basis"] else " I")

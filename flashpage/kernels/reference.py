@@ -459,9 +459,9 @@ def as_value_coordinates(values: torch.Tensor, axes: torch.Tensor, rms: torch.Te
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key, in the cache's
-    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size] (4-bit: `e2m1_keys`), and for each block written
-    to, `v_cumsum` [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot to the block's
-    last written one; with value axes, each new value's coordinates into `v_t` (`as_value_coordinates`). (Blocks
+    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size] (4-bit: `e2m1_keys`), and for
+    each block written to, `v_cumsum` [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot
+    to the block's last written one; with value axes, each new value's coordinates into `v_t` (`as_value_coordinates`). (Blocks
     shared by prefix caching hold the same prefix in every sequence, so their sums hold for all.)"""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()

@@ -153,17 +153,17 @@ def _key_scales(KTScale, block, page_ok, h, part: tl.constexpr, stride_sblock, s
 @triton.jit
 def _approximate_scores(Q, KT, KTScale, BlockTable, SeqLens, Logits, PartM, PartL, Digits, sm_scale_log2,
                         num_kv_heads, stride_qb, stride_qh, stride_bt, stride_lb, stride_lh, stride_block, stride_head,
-                        stride_comp, stride_tok, stride_sblock, stride_shead, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, R: tl.constexpr,
-                        BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                        stride_comp, stride_tok, stride_sblock, stride_shead, GROUP: tl.constexpr,
+                        GROUP_PAD: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                         UPCAST: tl.constexpr, DIGIT_CELLS: tl.constexpr, BLOCK_DC: tl.constexpr,
                         KEY_BITS: tl.constexpr):
     """Tiles of BLOCK_N keys by the group's heads (the keys are the product's rows, so the scores come out as
     Logits holds them, a key's heads side by side, and the padding of the group to a power of two is all the
     tensor cores compute beyond it). KT is the component-major copy (stride_tok 1; in KEY_BITS 4, two keys a byte,
-    with KTScale, each key's scale), or the cache's K itself (strided reads, for comparison). Each (sequence, KV head)'s first split also zeroes its row of the select's
-    histograms (DIGIT_CELLS of them; 0: none), which the aggregation fills next: a launch of its own cost more
-    than the store."""
+    with KTScale, each key's scale), or the cache's K itself (strided reads, for comparison). Each (sequence, KV
+    head)'s first split also zeroes its row of the select's histograms (DIGIT_CELLS of them; 0: none), which the
+    aggregation fills next: a launch of its own cost more than the store."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -535,7 +535,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     _approximate_scores[(batch, hkv, score_splits)](
         q_basis, keys, key_scales, block_table, seq_lens_k, logits, part_m, part_l,
         part_m if digits is None else digits.hist, scale, hkv, q_basis.stride(0), q_basis.stride(1),
-        block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides, *key_scales.stride()[:2], GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
+        block_table.stride(0), logits.stride(0), logits.stride(1), *key_strides, *key_scales.stride()[:2],
+        GROUP=group, GROUP_PAD=group_pad, R=r, BLOCK_R=max(triton.next_power_of_2(r), 16),
         HEAD_DIM=dim, BLOCK_D=block_d, PAGE_SIZE=page, BLOCK_N=block_n, NUM_SPLITS=score_splits, UPCAST=upcast,
         DIGIT_CELLS=digit_cells, BLOCK_DC=triton.next_power_of_2(max(digit_cells, 1)), KEY_BITS=key_bits,
         num_warps=score_warps, num_stages=score_stages)
@@ -587,8 +588,8 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 
 @triton.jit
-def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ,
-                        SeqLensK, num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK,
+                        num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                         ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
                         UPCAST: tl.constexpr):
@@ -647,7 +648,8 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     """As `reference.write_sparq_copies`: after the new tokens' K/V are in the cache, their keys (in the cache's
     `sparq_basis`) into `k_t` and the running value sums of the blocks they went to. Not for a 4-bit copy: a writer
     of it in this kernel stored wrong codes and scales on an H200 (not in the interpreter; docs/sparse-attention.md),
-    so the engine serves that copy on its CPU and PyTorch kernels, which write it with `reference.write_sparq_copies`."""
+    so the engine serves that copy on its CPU and PyTorch kernels, which write it with
+    `reference.write_sparq_copies`."""
     if kv_cache.k_t_scale is not None:
         raise ValueError("the Triton kernels do not write SparQ's 4-bit key copy: write it with "
                          "reference.write_sparq_copies (key_bits 4 runs on kernels='cpu' or 'torch')")
