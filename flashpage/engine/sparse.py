@@ -142,7 +142,7 @@ class SparseAttentionConfig:
             if unserved:
                 what = "a sliding-window model" if name == "model" else f"{name}"
                 raise ParameterError("sparse_attention", f"sparse_attention is not served with {what} (yet)")
-        if self.method == "sparq" and self.key_bits == 4 and kernels != "torch" and kernels != "cpu":
+        if self.method == "sparq" and self.key_bits == 4 and kernels not in ("cpu", "torch"):
             raise ParameterError("sparse_attention.key_bits", "sparse_attention: key_bits 4 runs on the CPU and "
                                  "PyTorch kernels only (kernels='cpu' or 'torch'): the Triton kernels do not write "
                                  "the 4-bit copy yet")
