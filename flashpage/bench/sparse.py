@@ -15,8 +15,8 @@ components of one byte in the e4m3 copy: 1/16, k = context / 16 keys and values:
 instead of 16; there also "1/8 v": r = 24 with the values' coordinates along 8 axes, `"value_axes": 8`, and "1/8
 v2": r = 28 with 4 axes, the splits of 1/8 that kept most of SmolLM2's quality, as `bench quality --sparse` names
 them; "1/8 v2 r8": that with the last 8 keys always chosen; "1/8 v2 r8 4-bit": that with the key copy in 4 bits,
-r = 52, `"key_bits": 4`), and at 1/8 reading the components from K itself instead of the component-major copy ("strided", "K" in the
-table: twice the copy's bytes). The
+r = 52, `"key_bits": 4`), and at 1/8 reading the components from K itself instead of the component-major copy
+("strided", "K" in the table: twice the copy's bytes). The
 copy is in an orthonormal basis per KV head, as the engine's default (`"basis": "pca"`), so the queries' turn into
 it is in the time; at 1/8 also without one (the paper's basis, "I" in the table; "strided" reads K as it is, so
 in the paper's basis too). Each is timed as a CUDA
@@ -44,9 +44,9 @@ from flashpage.kv.cache import SPARQ_COPY_DTYPE
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (8, 131072), (64, 8192), (64, 32768)]
-# name: (r, context / k, value axes, recent keys, bits of the key copy) at head dim D: the quality bench's budgets (set per 64 of the head
-# dimension, where "1/8 v" and "1/8 v2" spend a quarter and an eighth of the r components' bytes on the values'
-# coordinates)
+# name: (r, context / k, value axes, recent keys, bits of the key copy) at head dim D: the quality bench's budgets
+# (set per 64 of the head dimension, where "1/8 v" and "1/8 v2" spend a quarter and an eighth of the r components'
+# bytes on the values' coordinates)
 BUDGETS = {name: (r * D // 64, per_k, axes * D // 64, recent, key_bits)
            for name, (r, axes, per_k, recent, key_bits) in SPARQ_BUDGETS.items()}
 

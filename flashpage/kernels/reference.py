@@ -328,8 +328,9 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
     for steps 1 and 2:
     1. the r components where the group's queries are largest in magnitude (|q| summed over the group's heads);
     2. approximate scores from those components of every key, rounded to e4m3 (`as_sparq_copy`: what the cache's
-       copy `k_t` holds, read from it where the cache has one; in 4 bits where it holds them so), each head's softmax temperature scaled by
-       sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped components);
+       copy `k_t` holds, read from it where the cache has one; in 4 bits where it holds them so), each head's
+       softmax temperature scaled by sqrt(||q[components]||_1 / ||q||_1) (the paper's correction for the dropped
+       components);
     3. the k keys with the largest approximate probability summed over the group's heads, the row's last `recent`
        keys (its own among them) always among them (with drop_bits, the sums ranked as the Triton kernels rank a
        16-bit cache's: in fp16, less their lowest drop_bits bits, the first positions first among ties);
@@ -426,7 +427,7 @@ def e2m1_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [T, Hkv, D] as a 4-bit copy stores them: each key's scale, the smallest e4m3 value s with 6 s >= its
     largest |component| (at least e4m3's smallest, 2 ** -9; at most 448), [T, Hkv] FP8, and each component's code
     [T, Hkv, D] uint8: its sign in bit 3, in bits 0-2 the e2m1 magnitude nearest |x| / s, found as the number of
-    E2M1_STEPS * s below |x| (products exact in float32, so the kernels find the same codes)."""
+    E2M1_STEPS * s below |x| (products exact even in float32, so any writer can find the same codes)."""
     amax = keys.abs().amax(-1).double()
     scale = (amax / 6).clamp(2.0**-9, FP8_MAX).to(FP8)
     bump = (scale.double() * 6 < amax) & (scale.double() < FP8_MAX)  # rounded below: the next e4m3 value up
