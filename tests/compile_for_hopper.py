@@ -132,9 +132,8 @@ def main() -> None:
             max_row, topk.MAX_ROW = topk.MAX_ROW, 0  # (rows the chunked select takes: the aggregation counts digits)
             tri.sparq_attention(rand(2, 8, 128, dtype=dtype), sparq_cache, table, decode[1], lens, 1, r=32, k=24)
             topk.MAX_ROW = max_row
-            if bits == 8:  # (the 4-bit copy is written by the reference)
-                tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
-                                       torch.tensor([0, 17, 40], dtype=torch.int32), lens)
+            tri.write_sparq_copies(rand(40, 2, 128, dtype=dtype), sparq_cache, torch.arange(40), table,
+                                   torch.tensor([0, 17, 40], dtype=torch.int32), lens)
         # norm, activation, rotary (alone and with the cache write), the decode linear in each of its forms
         x, w = rand(3, 256, dtype=dtype), rand(256, dtype=dtype)
         tri.rms_norm(x, w, 1e-5)

@@ -113,7 +113,7 @@ def check_sparq_extras(cache, table, seq_lens):
         else:  # (turned in float32 by the kernel: a value near a rounding boundary may round the other way)
             turned = ref.in_basis(keys.double(), cache.sparq_basis.double())
             assert (stored == ref.as_sparq_copy(turned, bits)).double().mean() > 0.99
-            low, high = {8: (0.01, 2**-4), 4: (0.1, 0.2)}[bits]  # rounded to e4m3 or to 4 bits, and no more
+            low, high = {8: (0.01, 2**-4), 4: (0.1, 0.25)}[bits]  # rounded to e4m3 or to 4 bits, and no more
             assert low < rel_err(stored, turned) < high
         if cache.v_t is not None:
             stored = cache.v_t[blocks[slots // page], :, slots % page].double()
@@ -215,24 +215,6 @@ def test_key_bases_are_principal_axes():
     assert rel_err(weights, (moments.sqrt() ** AXIS_WEIGHT).expand_as(weights)) < 1e-4
 
 
-def sparq_writer(bits):
-    """The Triton writer of the cache extras, or for a 4-bit key copy (which it refuses) the reference's."""
-    return sparq.write_sparq_copies if bits == 8 else ref.write_sparq_copies
-
-
-def test_triton_writer_refuses_a_4bit_copy():
-    """The Triton writer of SparQ's extras refuses a 4-bit key copy (one built in it wrote wrong values on an H200)
-    before it writes anything."""
-    cache = allocate_kv_caches(1, 2, 64, 2, 64, torch.float32, torch.device(DEVICE), sparq=True, key_bits=4)[0]
-    cache.k_t.fill_(7)
-    with pytest.raises(ValueError, match="do not write SparQ's 4-bit key copy"):
-        sparq.write_sparq_copies(torch.randn(3, 2, 64, device=DEVICE), cache, torch.arange(3, device=DEVICE),
-                                 torch.tensor([[0, 1]], dtype=torch.int32, device=DEVICE),
-                                 torch.tensor([0, 3], dtype=torch.int32, device=DEVICE),
-                                 torch.tensor([3], dtype=torch.int32, device=DEVICE))
-    assert bool((cache.k_t == 7).all())
-
-
 @pytest.mark.parametrize("lens_k,hq,hkv,dim,page,r,k,splits,axes,recent,bits", CASES)
 @pytest.mark.parametrize("turned", [False, True])
 def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits, axes, recent, bits, turned,
@@ -262,11 +244,18 @@ def test_triton_sparq_matches_reference(lens_k, hq, hkv, dim, page, r, k, splits
             counts.chunk_above.fill_(-999)
             return counts
         monkeypatch.setattr(sparq, "digit_counts", poisoned)
-    check_sparq_extras(*sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis, axes,
-                                    bits))
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq_writer(bits), basis, axes, bits)
+    torch.manual_seed(sum(lens_k) + r + 2)  # (the same cache for both writers, to compare their bytes)
+    expected, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, ref.write_sparq_copies, basis,
+                                            axes, bits)
+    check_sparq_extras(expected, table, seq_lens)
+    torch.manual_seed(sum(lens_k) + r + 2)
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.float32, sparq.write_sparq_copies, basis,
+                                         axes, bits)
     cache.sparq_query_basis = query_basis
     check_sparq_extras(cache, table, seq_lens)
+    if bits == 4 and not turned:  # byte for byte, each key's nibble and its neighbour's kept (or poison)
+        assert torch.equal(cache.k_t, expected.k_t)
+        assert torch.equal(cache.k_t_scale.view(torch.uint8), expected.k_t_scale.view(torch.uint8))
     q = torch.randn(len(lens_k) + 1, hq, dim, device=DEVICE)
     table = torch.cat([table, torch.zeros_like(table[:1])])
     seq_lens = torch.cat([seq_lens, torch.zeros_like(seq_lens[:1])])
@@ -310,7 +299,7 @@ def test_triton_sparq_16bit(lens_k, hq, hkv, dim, page, r, k, splits, axes, rece
     signs = torch.randint(0, 2, (hkv, 1, dim)) * 2 - 1
     perms = torch.stack([torch.eye(dim)[torch.randperm(dim)] for _ in range(hkv)])
     basis = (perms * signs).bfloat16().to(DEVICE) if turned else None
-    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq_writer(bits), basis, axes,
+    cache, table, seq_lens = sparq_cache(lens_k, page, hkv, dim, torch.bfloat16, sparq.write_sparq_copies, basis, axes,
                                          bits)
     q = torch.randn(len(lens_k), hq, dim, device=DEVICE).bfloat16()
     cu = torch.arange(len(lens_k) + 1, dtype=torch.int32, device=DEVICE)
@@ -499,7 +488,6 @@ def test_sparq_with_prefix_caching_copy_on_write_and_preemption(smollm_llm):
     ({"method": "sparq", "r": 8, "k": 8, "key_bits": 2}, {}, "key_bits must be 8 (e4m3) or 4"),
     ({"method": "sparq", "r": 8, "k": 8, "key_bits": True}, {}, "key_bits must be an integer >= 1"),
     ({"method": "sparq", "r": 8, "k": 8, "key_bits": 4}, {"block_size": 16}, "key_bits 4 is served at block_size 64"),
-    ({"method": "sparq", "r": 8, "k": 8, "key_bits": 4}, {"kernels": "triton"}, "key_bits 4 runs on the CPU and"),
     ("sparq", {}, "sparse_attention must be dict or None"),
     (SPARQ, {"kv_cache_dtype": "int8"}, "not served with kv_cache_dtype"),
     (SPARQ, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "not served with speculative"),

@@ -118,14 +118,14 @@ def bench_sparq(batch: int, context: int, block: int) -> list[dict]:
 
 
 def in_4_bits(cache: KVCache) -> dict[str, torch.Tensor]:
-    """The cache's keys as a 4-bit key copy holds them (`reference.e2m1_keys`): {"k_t": two keys a byte,
+    """The cache's keys as a 4-bit key copy holds them (`reference.int4_keys`): {"k_t": two keys a byte,
     "k_t_scale": each key's scale} (the copy's keys as `sparq_cache` makes its e4m3 one: K as it is)."""
     blocks, page = cache.k.shape[:2]
     k_t = torch.empty(blocks, HKV, D, page // 2, device="cuda", dtype=torch.uint8)
     scale = torch.empty(blocks, HKV, page, device="cuda", dtype=SPARQ_COPY_DTYPE)
     for i in range(0, blocks, 256):  # (in pieces: the float64 codes of a large cache would not fit)
         keys = cache.k[i:i + 256]
-        codes, s = reference.e2m1_keys(keys.flatten(0, 1))
+        codes, s = reference.int4_keys(keys.flatten(0, 1))
         codes = codes.view(keys.shape).permute(0, 2, 3, 1)  # [blocks, Hkv, D, page]
         k_t[i:i + 256] = codes[..., :page // 2] | (codes[..., page // 2:] << 4)
         scale[i:i + 256] = s.view(keys.shape[:3]).transpose(1, 2)

@@ -12,8 +12,8 @@
   to the mean of all values; it reads m more bytes of every key (docs/sparse-attention.md). `"recent": n` (0 by
   default, as the paper) makes the last n keys always among the k chosen, whatever their approximate scores: the
   same bytes, and at 1k-2k tokens about half a point less perplexity cost (docs/sparse-attention.md). `"key_bits":
-  4` (8 by default: e4m3) keeps the copy of the keys that the approximate scores read in 4 bits a component (e2m1,
-  with a one-byte scale per key: `kv.cache`), so that r components cost r / 2 + 1 bytes of every key.
+  4` (8 by default: e4m3) keeps the copy of the keys that the approximate scores read in 4 bits a component (-7 to
+  7 times a one-byte scale per key: `kv.cache`), so that r components cost r / 2 + 1 bytes of every key.
 - `{"method": "block", "block": 64, "sink": 1, "local": 16, "stride": 0}`: block-sparse prefill
   (`flashpage.kernels.block_sparse`): prompt chunks attend by a static pattern of blocks of positions (sinks, a
   window, vertical lines); the attention kernels read only the cache pages of the blocks a query block sees;
@@ -96,7 +96,7 @@ class SparseAttentionConfig:
                 bad("recent", f"must be at most k ({d['k']}): they are among the k keys chosen, got {d['recent']}")
             integer("key_bits", 1, cls.key_bits)
             if d.get("key_bits", cls.key_bits) not in SPARQ_KEY_BITS:
-                bad("key_bits", f"must be 8 (e4m3) or 4 (e2m1 with a scale per key), got {d['key_bits']!r}")
+                bad("key_bits", f"must be 8 (e4m3) or 4 (int4 with a scale per key), got {d['key_bits']!r}")
             if not isinstance(d.get("prompt", False), bool):
                 bad("prompt", f"must be true or false, got {d['prompt']!r}")
             if d.get("basis", cls.basis) not in BASES:
@@ -142,10 +142,6 @@ class SparseAttentionConfig:
             if unserved:
                 what = "a sliding-window model" if name == "model" else f"{name}"
                 raise ParameterError("sparse_attention", f"sparse_attention is not served with {what} (yet)")
-        if self.method == "sparq" and self.key_bits == 4 and kernels not in ("cpu", "torch"):
-            raise ParameterError("sparse_attention.key_bits", "sparse_attention: key_bits 4 runs on the CPU and "
-                                 "PyTorch kernels only (kernels='cpu' or 'torch'): the Triton kernels do not write "
-                                 "the 4-bit copy yet")
         if self.prompt and kernels == "triton":
             raise ParameterError("sparse_attention.prompt", "sparse_attention: prompt=true runs on the CPU and "
                                  "PyTorch kernels only (kernels='cpu' or 'torch')")

@@ -413,34 +413,34 @@ def _sparq_rows(q, keys, turned, values, pos, r, k, recent, scale, query_basis, 
 
 def as_sparq_copy(keys: torch.Tensor, bits: int = 8) -> torch.Tensor:
     """Turned keys [T, Hkv, D] as SparQ's copy `k_t` stores them, back in their own dtype: saturated to e4m3's range
-    and rounded to it, or in 4 bits (`e2m1_keys`)."""
+    and rounded to it, or in 4 bits (`int4_keys`)."""
     if bits == 4:
-        return e2m1_values(*e2m1_keys(keys)).to(keys.dtype)
+        return int4_values(*int4_keys(keys)).to(keys.dtype)
     return keys.clamp(-FP8_MAX, FP8_MAX).to(FP8).to(keys.dtype)
 
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's magnitudes, by their 3-bit codes
-E2M1_STEPS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # the points between them (a tie rounds down)
+INT4_STEPS = (0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5)  # the points between a 4-bit code's magnitudes (ties round down)
 
 
-def e2m1_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [T, Hkv, D] as a 4-bit copy stores them: each key's scale, the smallest e4m3 value s with 6 s >= its
+def int4_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [T, Hkv, D] as a 4-bit copy stores them: each key's scale, the smallest e4m3 value s with 7 s >= its
     largest |component| (at least e4m3's smallest, 2 ** -9; at most 448), [T, Hkv] FP8, and each component's code
-    [T, Hkv, D] uint8: its sign in bit 3, in bits 0-2 the e2m1 magnitude nearest |x| / s, found as the number of
-    E2M1_STEPS * s below |x| (products exact even in float32, so any writer can find the same codes)."""
+    [T, Hkv, D] uint8: 8 plus its nearest multiple of s, -7 to 7, the magnitude found as the number of
+    INT4_STEPS * s below |x| (products exact even in float32, so any writer can find the same codes). Offset by 8,
+    a code c or-ed into the bits of the fp16 number 1024 is the number 1024 + c (16 c: 1024 + 16 c), so that the
+    scores kernel widens codes with one logical operation and takes the offset off after its product."""
     amax = keys.abs().amax(-1).double()
-    scale = (amax / 6).clamp(2.0**-9, FP8_MAX).to(FP8)
-    bump = (scale.double() * 6 < amax) & (scale.double() < FP8_MAX)  # rounded below: the next e4m3 value up
+    scale = (amax / 7).clamp(2.0**-9, FP8_MAX).to(FP8)
+    bump = (scale.double() * 7 < amax) & (scale.double() < FP8_MAX)  # rounded below: the next e4m3 value up
     scale = (scale.view(torch.uint8) + bump.to(torch.uint8)).view(FP8)
-    steps = torch.tensor(E2M1_STEPS, dtype=torch.float64, device=keys.device)
+    steps = torch.tensor(INT4_STEPS, dtype=torch.float64, device=keys.device)
     mag = (keys.abs().double()[..., None] > steps * scale.double()[..., None, None]).sum(-1)
-    return (mag + 8 * (keys < 0)).to(torch.uint8), scale
+    return (8 + torch.where(keys < 0, -mag, mag)).to(torch.uint8), scale
 
 
-def e2m1_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [..., D] with their keys' scales [...] (`e2m1_keys`) as values, float64."""
-    mags = torch.tensor(E2M1, dtype=torch.float64, device=codes.device)[(codes & 7).long()]
-    return torch.where(codes >= 8, -mags, mags) * scale.double()[..., None]
+def int4_values(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., D] with their keys' scales [...] (`int4_keys`) as values, float64."""
+    return (codes.double() - 8) * scale.double()[..., None]
 
 
 def read_sparq_copy(kv_cache, blocks: torch.Tensor) -> torch.Tensor:
@@ -449,7 +449,7 @@ def read_sparq_copy(kv_cache, blocks: torch.Tensor) -> torch.Tensor:
     if kv_cache.k_t_scale is None:
         return k_t.permute(0, 3, 1, 2).flatten(0, 1)
     codes = torch.cat((k_t & 15, k_t >> 4), -1).permute(0, 3, 1, 2)  # [n, block_size, Hkv, D]
-    return e2m1_values(codes, kv_cache.k_t_scale[blocks].transpose(1, 2)).flatten(0, 1)
+    return int4_values(codes, kv_cache.k_t_scale[blocks].transpose(1, 2)).flatten(0, 1)
 
 
 def as_value_coordinates(values: torch.Tensor, axes: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
@@ -460,7 +460,7 @@ def as_value_coordinates(values: torch.Tensor, axes: torch.Tensor, rms: torch.Te
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """A SparQ cache's extras for a step's new tokens, once their K/V are in the cache: each new key, in the cache's
-    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size] (4-bit: `e2m1_keys`), and for
+    `sparq_basis`, into the component-major copy `k_t` [blocks, Hkv, D, block_size] (4-bit: `int4_keys`), and for
     each block written to, `v_cumsum` [blocks, Hkv, D] float32: the sum of the sequence's values from its first slot
     to the block's last written one; with value axes, each new value's coordinates into `v_t` (`as_value_coordinates`). (Blocks
     shared by prefix caching hold the same prefix in every sequence, so their sums hold for all.)"""
@@ -471,7 +471,7 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     if kv_cache.k_t_scale is None:
         kv_cache.k_t[slots // page, :, :, slots % page] = as_sparq_copy(turned).to(FP8)
     else:  # a block's first half of keys in its bytes' low nibbles, the second in the high ones, the other kept
-        codes, kv_cache.k_t_scale[slots // page, :, slots % page] = e2m1_keys(turned)
+        codes, kv_cache.k_t_scale[slots // page, :, slots % page] = int4_keys(turned)
         half = page // 2
         for high in (0, 1):
             at, code = slots[slots % page // half == high], codes[slots % page // half == high]

@@ -6,9 +6,9 @@ sum, instead of every key and value:
 1. `_approximate_scores` chooses the r components of each (sequence, KV head), the largest of |q| summed over the
    group (`tl.topk`, in every program: 128 values),
 2. and those components of every key, from the component-major copy `k_t` (e4m3: one run of block_size bytes
-   per component and page, 64 by default with SparQ; or in 4 bits, half the bytes and a scale per key, a copy
-   that `reference.write_sparq_copies` writes), give each head's approximate scores (kept, a key's heads
-   side by side) and, per split of the keys, their running max and sum (and zero the select's histograms);
+   per component and page, 64 by default with SparQ; or in 4 bits, half the bytes and a scale per key), give
+   each head's approximate scores (kept, a key's heads side by side) and, per split of the keys, their running
+   max and sum (and zero the select's histograms);
 3. `_aggregate`: each key's approximate probability summed over the group's heads (infinity for the last `recent`
    keys, so that they are chosen), and the first digits of the top-k's radix select counted as they are written;
    `top_k_positions` (`kernels/topk.py`) picks k keys. For a 16-bit cache the kept scores and the summed
@@ -94,43 +94,31 @@ def _copy_tile(KT, block, page_ok, kt_rows, j_ok, stride_block, stride_tok, PAGE
 
 
 @triton.jit
-def _tile_keys(kt, part: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
-    """A tile's components in e4m3 from `_copy_tile`'s copy: [BLOCK_R, BLOCK_N], or in 4 bits those of the keys
-    in the low nibbles (part 0: each page's first half) or the high ones (part 1), [BLOCK_R, BLOCK_N / 2]. 4-bit
-    codes move into e4m3's bits, 2 ** -6 times their e2m1 value, exactly (the sign to the top bit, the magnitude's
-    exponent and mantissa bits to the lowest two of e4m3's exponent and its top mantissa bit; code 1, 0.5, becomes
-    a subnormal); the scores take the 2 ** 6 back with each key's scale."""
-    if KEY_BITS == 8:
-        keys = tl.reshape(kt, [BLOCK_R, BLOCK_N])
-    else:
-        codes = tl.reshape(kt, [BLOCK_R, BLOCK_N // 2])
-        if _INTERPRET:  # (it runs no PTX)
-            c = (codes >> 4) if part else (codes & 15)
-            bits = (((c & 8) << 4) | ((c & 7) << 2)).to(tl.uint8)
-        elif part == 0:  # four bytes a word at once: byte by byte, the moves cost the scores twice their reads
-            bits = tl.inline_asm_elementwise(
-                asm="""{ .reg .b32 sign, mag;
-                and.b32 sign, $1, 0x08080808;
-                shl.b32 sign, sign, 4;
-                and.b32 mag, $1, 0x07070707;
-                shl.b32 mag, mag, 2;
-                or.b32 $0, sign, mag; }""",
-                constraints="=r,r", args=[codes], dtype=tl.uint8, is_pure=True, pack=4)
-        else:
-            bits = tl.inline_asm_elementwise(
-                asm="""{ .reg .b32 sign, mag;
-                and.b32 sign, $1, 0x80808080;
-                and.b32 mag, $1, 0x70707070;
-                shr.b32 mag, mag, 2;
-                or.b32 $0, sign, mag; }""",
-                constraints="=r,r", args=[codes], dtype=tl.uint8, is_pure=True, pack=4)
-        keys = bits.to(tl.float8e4nv, bitcast=True)
-    return keys
+def _widen_codes(codes):
+    """A 4-bit copy's codes [.., n] (a byte's low nibble one key's, its high nibble another's) as two fp16 tiles:
+    1024 + c for the low nibbles' codes c, 1024 + 16 c for the high ones', exact: each nibble or-ed into the bits of
+    1024, two codes a logical operation (`reference.int4_keys`; the scores take the offsets off after the
+    product)."""
+    if _INTERPRET:  # (it runs no PTX)
+        low = (1024 + (codes & 15).to(tl.int32)).to(tl.float16)
+        high = (1024 + (codes & 0xF0).to(tl.int32)).to(tl.float16)
+    else:  # four bytes a word: each pair's bytes spread to the word's halves, then masked into 1024's bits
+        low, high = tl.inline_asm_elementwise(
+            asm="""{ .reg .b32 pair01, pair23;
+            prmt.b32 pair01, $4, $4, 0x1100;
+            prmt.b32 pair23, $4, $4, 0x3322;
+            lop3.b32 $0, pair01, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, pair23, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $2, pair01, 0x00F000F0, 0x64006400, 0xEA;
+            lop3.b32 $3, pair23, 0x00F000F0, 0x64006400, 0xEA; }""",
+            constraints="=r,=r,=r,=r,r", args=[codes], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return low, high
 
 
 @triton.jit
 def _part_keys(start, part: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
-    """The positions of `_tile_keys`' keys: the tile's, or in 4 bits each page's first or second half."""
+    """The positions of a tile's keys: the tile's, or in 4 bits each page's first half (part 0, the low nibbles) or
+    second half."""
     run: tl.constexpr = PAGE_SIZE * KEY_BITS // 8
     i = tl.arange(0, BLOCK_N * KEY_BITS // 8)
     return start + (i // run) * PAGE_SIZE + part * run + i % run
@@ -139,14 +127,15 @@ def _part_keys(start, part: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.c
 @triton.jit
 def _key_scales(KTScale, block, page_ok, h, part: tl.constexpr, stride_sblock, stride_shead, PAGE_SIZE: tl.constexpr,
                 BLOCK_N: tl.constexpr, KEY_BITS: tl.constexpr):
-    """A 4-bit copy's scales of `_tile_keys`' keys, times 2 ** 6, [BLOCK_N / 2] float32 (ones for e4m3)."""
+    """A 4-bit copy's scales of the keys of a tile's low nibbles (part 0) or high ones (part 1), [BLOCK_N / 2]
+    float32, the latter over 16 (`_widen_codes`; ones for e4m3)."""
     if KEY_BITS == 8:
         scales = tl.full([BLOCK_N // 2], 1.0, dtype=tl.float32)
     else:
         t = part * (PAGE_SIZE // 2) + tl.arange(0, PAGE_SIZE // 2)
         scales = tl.load(KTScale + block[:, None] * stride_sblock + h * stride_shead + t[None, :],
                          mask=page_ok[:, None], other=0.0)
-        scales = tl.reshape(scales.to(tl.float32), [BLOCK_N // 2]) * 64.0
+        scales = tl.reshape(scales.to(tl.float32), [BLOCK_N // 2]) * (1.0 / 16.0 if part else 1.0)
     return scales
 
 
@@ -193,6 +182,8 @@ def _approximate_scores(Q, KT, KTScale, BlockTable, SeqLens, Logits, PartM, Part
         q_hat_t = tl.trans(q_hat.to(tl.float32))  # [BLOCK_R, GROUP_PAD]
     else:  # e4m3 (the copy) converts to fp16 exactly; bf16 queries do too, within fp16's range
         q_hat_t = tl.trans(q_hat.to(tl.float16))
+    if KEY_BITS == 4:  # what a 4-bit copy's offset adds to each key's product, per unit of offset
+        q_sum = tl.sum(q_hat_t.to(tl.float32), 0)
 
     tiles = tl.cdiv(n_keys, BLOCK_N)
     lo = (split * tiles // NUM_SPLITS) * BLOCK_N
@@ -214,11 +205,22 @@ def _approximate_scores(Q, KT, KTScale, BlockTable, SeqLens, Logits, PartM, Part
         ks1_next = _key_scales(KTScale, block, page_ok, h, 1, stride_sblock, stride_shead, PAGE_SIZE, BLOCK_N,
                                KEY_BITS)
         block, page_ok = _tile_pages(BlockTable, b, stride_bt, start + 2 * BLOCK_N, hi, BLOCK_N, PAGE_SIZE)
+        if KEY_BITS == 8:
+            keys_low = tl.reshape(kt, [BLOCK_R, BLOCK_N])
+            keys_high = keys_low  # (no such part)
+        else:
+            keys_low, keys_high = _widen_codes(tl.reshape(kt, [BLOCK_R, BLOCK_N // 2]))
         for part in tl.static_range(8 // KEY_BITS):  # (4 bits: the keys of the low nibbles, then of the high ones)
-            k_hat = tl.trans(_tile_keys(kt, part, BLOCK_R, BLOCK_N, KEY_BITS))
-            s = tile_dot(k_hat.to(q_hat_t.dtype), q_hat_t, UPCAST) * scale[None, :]  # [keys, GROUP_PAD], base 2
-            if KEY_BITS == 4:
+            k_hat = tl.trans(keys_high if part else keys_low).to(q_hat_t.dtype)
+            offset = 1152.0 if part else 1032.0  # (a 4-bit copy's: 1024 + 8, or 1024 + 16 * 8)
+            if KEY_BITS == 4 and q_hat_t.dtype == tl.float32:  # taken off each key: in float32 that is exact,
+                k_hat = k_hat - offset  # where the product's offset would cost 1e-5 of the output (tests only)
+            s = tile_dot(k_hat, q_hat_t, UPCAST)  # [keys, GROUP_PAD]
+            if KEY_BITS == 4:  # the offset off the 16-bit product (exact to about 1e-5), then each key's scale
+                if q_hat_t.dtype != tl.float32:
+                    s = s - offset * q_sum[None, :]
                 s = s * (ks1 if part else ks0)[:, None]
+            s = s * scale[None, :]  # base 2
             n = _part_keys(start, part, PAGE_SIZE, BLOCK_N, KEY_BITS)
             ok = n < hi
             s = tl.where(ok[:, None], s, float("-inf"))
@@ -588,15 +590,90 @@ def sparq_attention(q, kv_cache, block_table, cu_seqlens_q, seq_lens_k, max_seql
 
 
 @triton.jit
-def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ, SeqLensK,
-                        num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+def _new_places(SlotMapping, q_start, first_new, length, pos, in_page):
+    """Which places `pos` of a page hold a key new in this step (not padding)."""
+    new = in_page & (pos >= first_new) & (pos < length)
+    return new & (tl.load(SlotMapping + q_start + pos - first_new, mask=new, other=-1) >= 0)
+
+
+@triton.jit
+def _new_keys(K, turn, new, q_start, first_new, pos, h, d, d_ok, stride_kt, stride_kh, HAS_BASIS: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """The `new` keys at places `pos` of a page, turned into the KV head's basis with HAS_BASIS."""
+    k = tl.load(K + (q_start + pos - first_new)[:, None] * stride_kt + h * stride_kh + d[None, :],
+                mask=new[:, None] & d_ok[None, :], other=0.0)
+    if HAS_BASIS:  # rounded to the keys' dtype, as the reference's product is
+        k = tile_dot(k, turn, UPCAST).to(K.dtype.element_ty)
+    return k
+
+
+@triton.jit
+def _e4m3_ceil(x):
+    """The smallest e4m3 value at least x (float32, 2 ** -9 to 448), in float32: x rounded up to a multiple of its
+    binade's e4m3 spacing (2 ** -9 below 2 ** -6), by products with powers of two made from their bits, all exact.
+    (Rounding to e4m3 and back in registers, then stepping up where that was below, gave wrong scales on an H200,
+    not in the interpreter: docs/kernel-notes.md.)"""
+    binade = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    step = ((binade - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    per_step = ((3 - binade + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.minimum(tl.ceil(x * per_step) * step, 448.0)
+
+
+@triton.jit
+def _int4_codes(k, new, KTScale, scale_at):
+    """Keys k [rows, BLOCK_D] as `reference.int4_keys` makes them: each key's scale (stored at `scale_at` for the
+    `new` rows), the smallest e4m3 value that holds its largest component within 7, and each component's 4-bit
+    code, int32: 8 plus its nearest multiple of the scale (the number of points between multiples below |k|; the
+    products are exact in float32)."""
+    k = k.to(tl.float32)
+    a = tl.abs(k)
+    amax = tl.max(a, 1)
+    # amax / 7 rounds, so from just below it, and one value up where that is still short
+    s = _e4m3_ceil(tl.maximum(amax / 7.0, 2.0**-9) * (1.0 - 2.0**-20))
+    s = tl.where(7.0 * s < amax, _e4m3_ceil(s * (1.0 + 2.0**-20)), s)
+    tl.store(KTScale + scale_at, to_e4m3(s), mask=new)
+    s = s[:, None]
+    mag = ((a > 0.5 * s).to(tl.int32) + (a > 1.5 * s).to(tl.int32) + (a > 2.5 * s).to(tl.int32)
+           + (a > 3.5 * s).to(tl.int32) + (a > 4.5 * s).to(tl.int32) + (a > 5.5 * s).to(tl.int32)
+           + (a > 6.5 * s).to(tl.int32))
+    return tl.where(k < 0, 8 - mag, 8 + mag)
+
+
+@triton.jit
+def _write_int4_page(K, turn, KT, KTScale, SlotMapping, row, q_start, first_new, length, page_start, h, d, d_ok,
+                     stride_kt, stride_kh, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HALF_ROWS: tl.constexpr,
+                     HAS_BASIS: tl.constexpr, UPCAST: tl.constexpr):
+    """A page's new keys into a 4-bit copy (KT's and KTScale's `row`: block * KV heads + head). A byte holds the
+    codes of keys u and u + PAGE_SIZE / 2: both halves are taken here as two tiles of rows, so that one thread
+    writes each byte whole (the other nibble kept where its key is not new), with no order between threads to
+    rely on."""
+    u = tl.arange(0, HALF_ROWS)  # (padded to 16 rows for the tensor cores)
+    in_half = u < PAGE_SIZE // 2
+    pos_lo, pos_hi = page_start + u, page_start + PAGE_SIZE // 2 + u
+    new_lo = _new_places(SlotMapping, q_start, first_new, length, pos_lo, in_half)
+    new_hi = _new_places(SlotMapping, q_start, first_new, length, pos_hi, in_half)
+    k_lo = _new_keys(K, turn, new_lo, q_start, first_new, pos_lo, h, d, d_ok, stride_kt, stride_kh, HAS_BASIS, UPCAST)
+    k_hi = _new_keys(K, turn, new_hi, q_start, first_new, pos_hi, h, d, d_ok, stride_kt, stride_kh, HAS_BASIS, UPCAST)
+    lo = _int4_codes(k_lo, new_lo, KTScale, row * PAGE_SIZE + u)
+    hi = _int4_codes(k_hi, new_hi, KTScale, row * PAGE_SIZE + PAGE_SIZE // 2 + u)
+    at = KT + (row * HEAD_DIM + d[None, :]) * (PAGE_SIZE // 2) + u[:, None]
+    written = (new_lo | new_hi)[:, None] & d_ok[None, :]
+    old = tl.load(at, mask=written & ~(new_lo & new_hi)[:, None], other=0).to(tl.int32)
+    lo = tl.where(new_lo[:, None], lo, old & 15)
+    hi = tl.where(new_hi[:, None], hi, old >> 4)
+    tl.store(at, (lo | (hi << 4)).to(tl.uint8), mask=written)
+
+
+@triton.jit
+def _write_sparq_copies(K, Basis, KT, KTScale, V, VCumsum, VT, Axes, Rms, SlotMapping, BlockTable, CuSeqlensQ,
+                        SeqLensK, num_kv_heads, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                        ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, AXES: tl.constexpr, BLOCK_A: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        ROWS: tl.constexpr, HALF_ROWS: tl.constexpr, HAS_BASIS: tl.constexpr, AXES: tl.constexpr,
+                        BLOCK_A: tl.constexpr, UPCAST: tl.constexpr, KEY_BITS: tl.constexpr):
     """One program per (sequence, KV head): its new keys (turned into the KV head's basis, with HAS_BASIS) into
-    k_t in e4m3 (with AXES, its new values' coordinates along Axes, divided by Rms, into VT), then the running
-    value sums of the blocks it wrote to, in order (each block's from the one before: no other program could
-    supply them in time)."""
+    k_t, in e4m3 or in 4 bits with a scale per key in KTScale (with AXES, its new values' coordinates along Axes,
+    divided by Rms, into VT), then the running value sums of the blocks it wrote to, in order (each block's from
+    the one before: no other program could supply them in time)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(CuSeqlensQ + b)
@@ -612,6 +689,8 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, Bl
     if HAS_BASIS:
         turn = tl.load(Basis + h * HEAD_DIM * HEAD_DIM + d[:, None] * HEAD_DIM + d[None, :],
                        mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        turn = Basis  # (None: not read)
     a = tl.arange(0, BLOCK_A)  # (padded to 16 columns for the tensor cores)
     a_ok = a < AXES
     if AXES > 0:
@@ -625,15 +704,15 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, Bl
     for j in range(first_new // PAGE_SIZE, (length - 1) // PAGE_SIZE + 1):
         block = tl.load(BlockTable + b * stride_bt + j).to(tl.int64)
         pos = j * PAGE_SIZE + t
-        new = in_page & (pos >= first_new) & (pos < length)
-        slot = tl.load(SlotMapping + q_start + pos - first_new, mask=new, other=-1)
-        new = new & (slot >= 0)
-        k = tl.load(K + (q_start + pos - first_new)[:, None] * stride_kt + h * stride_kh + d[None, :],
-                    mask=new[:, None] & d_ok[None, :], other=0.0)
-        if HAS_BASIS:  # rounded to the keys' dtype, as the reference's product is
-            k = tile_dot(k, turn, UPCAST).to(K.dtype.element_ty)
-        tl.store(KT + ((block * num_kv_heads + h) * HEAD_DIM + d[None, :]) * PAGE_SIZE + t[:, None],
-                 to_e4m3(k.to(tl.float32)), mask=new[:, None] & d_ok[None, :])
+        new = _new_places(SlotMapping, q_start, first_new, length, pos, in_page)
+        if KEY_BITS == 8:
+            k = _new_keys(K, turn, new, q_start, first_new, pos, h, d, d_ok, stride_kt, stride_kh, HAS_BASIS, UPCAST)
+            tl.store(KT + ((block * num_kv_heads + h) * HEAD_DIM + d[None, :]) * PAGE_SIZE + t[:, None],
+                     to_e4m3(k.to(tl.float32)), mask=new[:, None] & d_ok[None, :])
+        else:
+            _write_int4_page(K, turn, KT, KTScale, SlotMapping, block * num_kv_heads + h, q_start, first_new, length,
+                             j * PAGE_SIZE, h, d, d_ok, stride_kt, stride_kh, HEAD_DIM, PAGE_SIZE, HALF_ROWS,
+                             HAS_BASIS, UPCAST)
         v = tl.load(V + block * stride_vb + t[:, None] * stride_vt + h * stride_vh + d[None, :],
                     mask=(in_page & (pos < length))[:, None] & d_ok[None, :], other=0.0)
         total += tl.sum(v.to(tl.float32), 0)
@@ -646,13 +725,8 @@ def _write_sparq_copies(K, Basis, KT, V, VCumsum, VT, Axes, Rms, SlotMapping, Bl
 
 def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq_lens_k) -> None:
     """As `reference.write_sparq_copies`: after the new tokens' K/V are in the cache, their keys (in the cache's
-    `sparq_basis`) into `k_t` and the running value sums of the blocks they went to. Not for a 4-bit copy: a writer
-    of it in this kernel stored wrong codes and scales on an H200 (not in the interpreter; docs/sparse-attention.md),
-    so the engine serves that copy on its CPU and PyTorch kernels, which write it with
-    `reference.write_sparq_copies`."""
-    if kv_cache.k_t_scale is not None:
-        raise ValueError("the Triton kernels do not write SparQ's 4-bit key copy: write it with "
-                         "reference.write_sparq_copies (key_bits 4 runs on kernels='cpu' or 'torch')")
+    `sparq_basis`) into `k_t` (and a 4-bit copy's scales into `k_t_scale`) and the running value sums of the
+    blocks they went to."""
     batch = seq_lens_k.shape[0]
     if k.shape[0] == 0 or batch == 0:
         return
@@ -662,9 +736,10 @@ def write_sparq_copies(k, kv_cache, slot_mapping, block_table, cu_seqlens_q, seq
     axes = kv_cache.value_axes
     vt, value_axes, value_rms = ((kv_cache.v_t, kv_cache.sparq_value_axes, kv_cache.sparq_value_rms) if axes else
                                  (kv_cache.k_t, kv_cache.v_cumsum, kv_cache.v_cumsum))  # (not read without axes)
+    key_scales = kv_cache.k_t if kv_cache.k_t_scale is None else kv_cache.k_t_scale  # (not written in e4m3)
     _write_sparq_copies[(batch, heads)](
-        k, basis, kv_cache.k_t, v, kv_cache.v_cumsum, vt, value_axes, value_rms, slot_mapping, block_table,
-        cu_seqlens_q, seq_lens_k, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2),
-        block_table.stride(0), HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page,
-        ROWS=max(page, 16), HAS_BASIS=basis is not None, AXES=axes, BLOCK_A=max(16, triton.next_power_of_2(axes)),
-        UPCAST=_upcast(k.dtype))
+        k, basis, kv_cache.k_t, key_scales, v, kv_cache.v_cumsum, vt, value_axes, value_rms, slot_mapping,
+        block_table, cu_seqlens_q, seq_lens_k, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        v.stride(2), block_table.stride(0), HEAD_DIM=dim, BLOCK_D=triton.next_power_of_2(dim), PAGE_SIZE=page,
+        ROWS=max(page, 16), HALF_ROWS=max(page // 2, 16), HAS_BASIS=basis is not None, AXES=axes,
+        BLOCK_A=max(16, triton.next_power_of_2(axes)), UPCAST=_upcast(k.dtype), KEY_BITS=kv_cache.sparq_key_bits)

@@ -28,9 +28,9 @@ for an orthonormal one); there SparQ chooses its components. The engine's are th
 keys, scaled (`flashpage.engine.sparse.sparq_turns`).
 With `"key_bits": 4`, `k_t` holds two keys a byte instead [num_blocks, num_kv_heads, head_dim, block_size / 2]
 (uint8; a block's first half of keys in the low nibbles, its second half in the high ones, so that the kernels
-read each half as a tile with no shuffle), each component in e2m1 (FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
-their negatives) times its key's scale, `k_t_scale` [num_blocks, num_kv_heads, block_size] e4m3 (the smallest
-that holds the key's largest component within 6: nothing clips): at the bytes of r e4m3 components, about 2r - 2.
+read each half as a tile with no shuffle), each component a 4-bit code c, the value (c - 8) times its key's
+scale (`reference.int4_keys`), `k_t_scale` [num_blocks, num_kv_heads, block_size] e4m3 (the smallest that holds
+the key's largest component within 7: nothing clips): at the bytes of r e4m3 components, about 2r - 2.
 With `"value_axes": m`, a third extra: `v_t` [num_blocks, num_kv_heads, block_size, m] e4m3, each value's
 coordinates along the layer's m principal axes of its values, `sparq_value_axes` [num_kv_heads, head_dim, m],
 divided by the values' RMS along each, `sparq_value_rms` [num_kv_heads, m] (both float32): the unchosen keys'
@@ -48,7 +48,7 @@ from flashpage.kernels.fp8 import FP8
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 SPARQ_COPY_DTYPE = FP8  # SparQ's component copy `k_t`: turned keys past +-FP8_MAX are stored saturated
-SPARQ_KEY_BITS = (8, 4)  # its components' bits: e4m3, or e2m1 with a scale per key (`k_t_scale`)
+SPARQ_KEY_BITS = (8, 4)  # its components' bits: e4m3, or int4 with a scale per key (`k_t_scale`)
 # the one block size the 4-bit copy is served at: at 16, 32 and 128 the Triton writer stored wrong codes and scales
 # on an H200 (not in the interpreter; docs/sparse-attention.md)
 SPARQ_4BIT_BLOCK = 64
@@ -107,7 +107,7 @@ class KVCache:
 
     @property
     def sparq_key_bits(self) -> int:
-        """SparQ: the bits of a component in its key copy `k_t` (8: e4m3; 4: e2m1 with a scale per key)."""
+        """SparQ: the bits of a component in its key copy `k_t` (8: e4m3; 4: int4 with a scale per key)."""
         return 8 if self.k_t_scale is None else 4
 
     @property
@@ -164,7 +164,7 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                        dtype: torch.dtype, device: torch.device, sparq: bool = False,
                        value_axes: int = 0, key_bits: int = 8) -> list[KVCache]:
     """Each layer's cache; `sparq`: with SparQ's extras (`value_axes` > 0: its copy of the values' coordinates
-    too, whose axes and RMS the caller sets; `key_bits` 4: its key copy in e2m1 with a scale per key)."""
+    too, whose axes and RMS the caller sets; `key_bits` 4: its key copy in int4 with a scale per key)."""
     if key_bits not in SPARQ_KEY_BITS or (key_bits == 4 and block_size != SPARQ_4BIT_BLOCK):
         raise ValueError(f"SparQ's key copy holds 8 or 4 bits a component (4: at block_size {SPARQ_4BIT_BLOCK}), got "
                          f"{key_bits} bits with block_size {block_size}")
